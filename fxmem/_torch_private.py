@@ -1,0 +1,110 @@
+"""Every private torch import fxmem uses, in one place.
+
+A torch release that moves one of these breaks this file and nothing else. Each name is
+used as a plain function; fxmem keeps its own logic outside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import (
+    _extract_fwd_bwd_modules,
+    _is_primal,
+    _is_tangent,
+    _must_be_in_backward,
+    reordering_to_mimic_autograd_engine,
+)
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import is_sym_node
+
+__all__ = [
+    "FakeTensor",
+    "aot_autograd",
+    "boxed_graph_function",
+    "extract_fwd_bwd",
+    "inductor_compile",
+    "is_primal",
+    "is_sym_node",
+    "is_tangent",
+    "must_be_in_backward",
+    "reorder_backward_lazily",
+]
+
+is_primal = _is_primal
+is_tangent = _is_tangent
+must_be_in_backward = _must_be_in_backward
+reorder_backward_lazily = reordering_to_mimic_autograd_engine
+
+
+def boxed_graph_function(gm: torch.fx.GraphModule) -> Any:
+    """Run `gm` with the boxed calling convention: it takes the argument list and clears it,
+    so each input is freed after its last use rather than when the call returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+
+    def run(args: list) -> Any:
+        return gm.forward(args)
+
+    run._boxed_call = True
+    return run
+
+
+def extract_fwd_bwd(
+    joint: torch.fx.GraphModule,
+    saved_values: list[torch.fx.Node],
+    saved_sym_nodes: list[torch.fx.Node],
+    num_fwd_outputs: int,
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Forward and backward modules whose boundary is exactly `saved_values`.
+
+    Anything the backward needs that is not saved is copied into the backward graph, i.e.
+    recomputed there.
+    """
+    return _extract_fwd_bwd_modules(
+        joint, saved_values, saved_sym_nodes=saved_sym_nodes, num_fwd_outputs=num_fwd_outputs
+    )
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn: Any) -> Any:
+    """Inductor's whole pipeline (joint-graph passes, lowering, codegen) with our partitioner."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    if not hasattr(config, "custom_partitioner_fn"):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no inductor custom_partitioner_fn; "
+            "use options={'compiler': 'eager'} or a newer torch"
+        )
+    # AOTAutograd's cache would hand back a partition made for another budget; inductor's own
+    # cache is keyed by the partitioned graphs and stays on.
+    with (
+        config.patch(custom_partitioner_fn=_partitioner_class()(partition_fn)),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        return compile_fx(gm, example_inputs)
+
+
+def _partitioner_class() -> type:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class FxmemPartitioner(CustomPartitionerFn):
+        def __init__(self, fn: Any):
+            self.fn = fn
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            kwargs.pop("compiler", None)
+            return self.fn(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:
+            return None  # plans depend on the budget: never reuse a cached partition
+
+        def __reduce__(self):  # config snapshots pickle it; the plan itself is never cached
+            return (str, ("fxmem-partitioner",))
+
+    return FxmemPartitioner

@@ -1,0 +1,165 @@
+"""The `fxmem` torch.compile backend: Dynamo graph -> rule passes -> AOTAutograd -> compiler.
+
+Registered under the `torch_dynamo_backends` entry point, so
+`torch.compile(model, backend="fxmem", options={"budget_gb": 8})` works with only `import torch`.
+torch's `aot_autograd(...)` helper drops unknown keyword arguments, so the options are read
+here, once, into an `Options`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._decomp import get_decompositions
+
+from fxmem import _torch_private as tp
+from fxmem.errors import check_budget_gb
+from fxmem.measure import live_tensor_bytes
+from fxmem.partition import PlanRequest, make_partition_fn
+from fxmem.pipeline import run_passes
+from fxmem.plan import Plan
+
+__all__ = ["Options", "fxmem_backend", "recent_plans"]
+
+log = logging.getLogger("fxmem")
+
+COMPILERS = ("inductor", "eager")
+
+# Dropout as `rand_like(x) > p` and a multiply: the mask is then a bool value of its own, which
+# is what the backward keeps, and the random draw itself is never run twice.
+_EAGER_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_dropout])
+
+_recent: list[Plan] = []
+_RECENT_KEPT = 16
+
+
+def recent_plans() -> list[Plan]:
+    """Plans made by this process's fxmem backends, oldest first (the last 16)."""
+    return list(_recent)
+
+
+@dataclass
+class Options:
+    budget_gb: float | None = None
+    compiler: str = "inductor"
+    optimizer: torch.optim.Optimizer | None = None
+    passes: Sequence[str] | None = None  # None: the default (exact) passes
+    margin: float = 0.03
+    on_plan: Callable[[Plan], None] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> Options:
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown fxmem option(s) {unknown}; known: {sorted(known)}")
+        opts = cls(**options)
+        if opts.budget_gb is not None:
+            check_budget_gb(opts.budget_gb)
+        if opts.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {opts.compiler!r}")
+        if not 0 <= opts.margin < 0.5:
+            raise ValueError(f"margin must be a fraction in [0, 0.5), got {opts.margin!r}")
+        return opts
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget_gb is None else check_budget_gb(self.budget_gb)
+
+
+def _device_of(example_inputs: Sequence[Any]) -> torch.device:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            return x.device
+    return torch.device("cpu")
+
+
+def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[str, int]:
+    """What is alive on the device as the step starts, by category."""
+    seen: set[int] = set()
+    params = grads = other_inputs = 0
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor) or isinstance(x, tp.FakeTensor) or x.device != device:
+            continue
+        for t, is_grad in ((x, False), (x.grad if x.requires_grad and x.is_leaf else None, True)):
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            if is_grad:
+                grads += st.nbytes()
+            elif isinstance(x, torch.nn.Parameter):
+                params += st.nbytes()
+            else:
+                other_inputs += st.nbytes()
+    live = live_tensor_bytes(device)
+    out = {"parameters": params, "inputs and buffers": other_inputs}
+    if grads:
+        out["existing gradients"] = grads
+    out["other live tensors"] = max(0, live - params - other_inputs - grads)
+    return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+    """(state bytes not yet allocated, temporaries of one step) for `optimizer`."""
+    if optimizer is None:
+        return 0, 0
+    name = type(optimizer).__name__
+    per_param = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1}
+    slots = per_param.get(name, 0)
+    if name == "SGD":
+        slots = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
+    missing = biggest_group = 0
+    for group in optimizer.param_groups:
+        group_bytes = sum(p.numel() * p.element_size() for p in group["params"])
+        biggest_group = max(biggest_group, group_bytes)
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                missing += slots * p.numel() * p.element_size()
+    # foreach implementations make one or two full-size temporaries of a parameter group.
+    return missing, (2 if slots >= 2 else slots) * biggest_group
+
+
+def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
+    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin."""
+    if kwargs.get("mode"):
+        log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
+    opts = options if isinstance(options, Options) else Options.from_dict(options)
+    device = _device_of(example_inputs)
+    gm, fired = run_passes(gm, example_inputs, opts.passes)
+    state_bytes, step_bytes = optimizer_state_bytes(opts.optimizer)
+
+    def on_plan(plan: Plan) -> None:
+        _recent.append(plan)
+        del _recent[:-_RECENT_KEPT]
+        if opts.on_plan is not None:
+            opts.on_plan(plan)
+
+    req = PlanRequest(
+        budget_bytes=opts.budget_bytes,
+        device=device,
+        static_bytes=_static_bytes(example_inputs, device),
+        optimizer_bytes=state_bytes,
+        optimizer_step_bytes=step_bytes,
+        compiler=opts.compiler,
+        margin_fraction=opts.margin,
+        rewrites=fired,
+        on_plan=on_plan,
+    )
+    partition_fn = make_partition_fn(req)
+    if opts.compiler == "inductor":
+        return tp.inductor_compile(gm, list(example_inputs), partition_fn)
+    return tp.aot_autograd(
+        fw_compiler=lambda g, _: tp.boxed_graph_function(g),
+        bw_compiler=lambda g, _: tp.boxed_graph_function(g),
+        partition_fn=partition_fn,
+        decompositions=_EAGER_DECOMPOSITIONS,
+    )(gm, example_inputs)

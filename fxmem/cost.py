@@ -1,0 +1,100 @@
+"""How long running a node again costs.
+
+Compute-bound ops (those torch's flop counter knows: matmuls, convolutions, attention) cost
+their flops over the device's matmul rate; everything else costs the bytes it reads and
+writes over memory bandwidth; views cost nothing. The two rates are measured once per
+process on the device the graph runs on, so the planner's trade-offs follow the machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["CostModel", "DeviceRates", "measure_rates"]
+
+_PER_OP_OVERHEAD_S = 2e-6  # launch/dispatch floor for any op that does work
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    flops_per_s: float
+    bytes_per_s: float
+
+
+@functools.cache
+def measure_rates(device: str) -> DeviceRates:
+    """Matmul flop rate and copy bandwidth of `device`, timed once (median of a few runs)."""
+    dev = torch.device(device)
+    n = 512 if dev.type == "cpu" else 4096
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    big = torch.randn(8 * 2**20 if dev.type == "cpu" else 64 * 2**20, device=dev)
+
+    def timed(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    mm_s = timed(lambda: a @ b)
+    copy_s = timed(lambda: big.clone())
+    return DeviceRates(flops_per_s=2 * n**3 / mm_s, bytes_per_s=2 * big.nbytes / copy_s)
+
+
+def _tensor_bytes(x: object) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+class CostModel:
+    """Seconds to run one fx node, from its fake values' shapes."""
+
+    def __init__(self, rates: DeviceRates):
+        self.rates = rates
+
+    def flops(self, node: fx.Node) -> int:
+        packet = getattr(node.target, "overloadpacket", None)
+        fn = flop_registry.get(packet)
+        if fn is None:
+            return 0
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        try:
+            return int(fn(*args, **kwargs, out_val=node.meta.get("val")))
+        except Exception:  # unusual signatures: fall back to the bandwidth estimate
+            return 0
+
+    def node_seconds(self, node: fx.Node) -> float:
+        if node.op != "call_function" or _is_view(node):
+            return 0.0
+        moved = _tensor_bytes(node.meta.get("val")) + sum(
+            _tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+        )
+        flops = self.flops(node)
+        return _PER_OP_OVERHEAD_S + max(flops / self.rates.flops_per_s, moved / self.rates.bytes_per_s)

@@ -1,0 +1,47 @@
+"""Errors fxmem raises on purpose."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING
+
+from fxmem.plan import format_bytes
+
+if TYPE_CHECKING:
+    from fxmem.plan import Plan
+
+__all__ = ["BudgetError", "GraphBreakError", "check_budget_gb"]
+
+
+class BudgetError(ValueError):
+    """No plan fits the budget. Raised before the step runs; the model is left as it was.
+
+    `floor_bytes` is the smallest budget fxmem found a plan for; `plan` is that plan.
+    """
+
+    def __init__(self, budget_bytes: int, floor_bytes: int, breakdown: dict[str, int], plan: Plan | None):
+        self.budget_bytes = budget_bytes
+        self.floor_bytes = floor_bytes
+        self.breakdown = breakdown
+        self.plan = plan
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in breakdown.items())
+        super().__init__(
+            f"budget {format_bytes(budget_bytes)} is below the smallest peak fxmem can reach, "
+            f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}); "
+            f"at that floor: {parts}"
+        )
+
+
+class GraphBreakError(RuntimeError):
+    """The model does not capture as one graph, so one budget cannot be planned across it."""
+
+
+def check_budget_gb(budget_gb: object) -> int:
+    """Validate a budget in GiB (2**30 bytes) and return it in bytes."""
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, numbers.Real):
+        raise TypeError(f"budget_gb must be a number of GiB (2**30 bytes), got {budget_gb!r}")
+    value = float(budget_gb)
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ValueError(f"budget_gb must be a finite number of GiB greater than 0, got {budget_gb!r}")
+    return int(value * 2**30)

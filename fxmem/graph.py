@@ -1,0 +1,261 @@
+"""What the planner needs to know about AOTAutograd's joint forward+backward graph.
+
+`JointGraph.build` reads the joint graph once into flat arrays indexed by node position:
+which side each node is on, which storage its value lives in (views alias their base: two
+nodes whose fake values share a storage share one entry), how many bytes each storage holds,
+whether a node may be run a second time, and what running it again costs. The simulator and
+the solvers work on these arrays only, so planning never touches fx objects in its loops.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxmem import _torch_private as tp
+from fxmem.cost import CostModel
+
+__all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph", "module_path", "source_line"]
+
+PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
+
+# Ops that must run exactly once: their values cannot be reproduced by running them again.
+_RANDOM_TAG = torch.Tag.nondeterministic_seeded
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    if _RANDOM_TAG in tags:
+        return True
+    name = str(target)
+    # inductor's seed generator draws from the global generator; inductor_random given a
+    # seed is a pure function of it and may be recomputed.
+    return "inductor_seeds" in name
+
+
+def _is_impure(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    return node.op == "call_function" and node.is_impure() and not _is_random(node)
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted path of the innermost user module the node came from ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L__self___", "")
+
+
+def source_line(node: fx.Node) -> str:
+    """'file:line' of the user code that produced the node, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return ""
+    last = lines[-1]  # innermost frame: 'File "x.py", line 12, in forward'
+    try:
+        fname = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+        return f"{fname}:{lineno}"
+    except IndexError:
+        return last
+
+
+_FUSIBLE_NON_POINTWISE = {
+    "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all",
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "native_layer_norm", "native_layer_norm_backward", "where", "clone", "expand",
+}  # fmt: skip
+
+
+def _fusible(node: fx.Node) -> bool:
+    """Ops inductor generates into fused loops (as opposed to library calls like mm)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return True
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "") in _FUSIBLE_NON_POINTWISE or _view_like(node)
+
+
+def _view_like(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int) -> list[bool]:
+    """A storage is written to memory when some value in it is read by a non-fusible op."""
+    mat = [False] * count
+    for i, n in enumerate(nodes):
+        s = storage[i]
+        if s < 0:
+            continue
+        if n.op == "placeholder" or not _fusible(n):
+            mat[s] = True
+        elif any(not _fusible(nodes[u]) for u in users[i]) or not users[i]:
+            mat[s] = True
+    return mat
+
+
+@dataclass
+class JointGraph:
+    gm: fx.GraphModule
+    num_fwd_outputs: int
+    nodes: list[fx.Node]
+    index: dict[fx.Node, int]
+    kind: list[int]
+    inputs: list[list[int]]  # indices of value inputs (tensor or symbolic) per node
+    users: list[list[int]]
+    storage: list[int]  # storage id per node; -1 for non-tensors
+    storage_bytes: list[int]
+    banned: list[bool]  # may not be recomputed (random, impure, must be in forward)
+    cost_s: list[float]  # estimated seconds to run the node once
+    fwd_outputs: list[int]
+    bwd_outputs: list[int]
+    first_bwd: int  # position of the first node that reads a tangent
+    is_sym: list[bool] = field(default_factory=list)
+    # Storages a fusing compiler writes to memory. A value that only feeds fusible ops is
+    # computed inside its consumers' kernels unless it is saved or returned.
+    materialized: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        gm: fx.GraphModule,
+        num_fwd_outputs: int,
+        cost: CostModel,
+        storage_remap: dict[int, int] | None = None,
+        fusing: bool = False,
+    ) -> JointGraph:
+        nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        index = {n: i for i, n in enumerate(nodes)}
+        out_node = next(iter(gm.graph.find_nodes(op="output")))
+        flat_outs = list(out_node.args[0])
+        fwd_outputs = [index[o] for o in flat_outs[:num_fwd_outputs] if isinstance(o, fx.Node)]
+        bwd_outputs = [index[o] for o in flat_outs[num_fwd_outputs:] if isinstance(o, fx.Node)]
+
+        inputs = [[index[a] for a in n.all_input_nodes] for n in nodes]
+        users: list[list[int]] = [[] for _ in nodes]
+        for i, ins in enumerate(inputs):
+            for j in dict.fromkeys(ins):
+                users[j].append(i)
+
+        # Side: tangent closure (and what must run in backward) is BWD; ancestors of forward
+        # outputs are FWD; whatever is left (derived from primals, read only by backward)
+        # runs in backward, once, where it is needed.
+        kind = [BWD] * len(nodes)
+        for i, n in enumerate(nodes):
+            if n.op == "placeholder":
+                kind[i] = TANGENT if tp.is_tangent(n) else PRIMAL
+        in_bwd = [k == TANGENT for k in kind]
+        for i, n in enumerate(nodes):
+            if in_bwd[i] or tp.must_be_in_backward(n):
+                in_bwd[i] = True
+                for u in users[i]:
+                    in_bwd[u] = True
+        stack = [o for o in fwd_outputs if not in_bwd[o]]
+        fwd = [False] * len(nodes)
+        while stack:
+            i = stack.pop()
+            if fwd[i] or kind[i] in (PRIMAL, TANGENT):
+                continue
+            fwd[i] = True
+            stack.extend(inputs[i])
+        for i, n in enumerate(nodes):
+            # Every output of a forward op belongs to the forward, used there or not: a
+            # tuple is never a value the backward can be handed.
+            if n.target is operator.getitem and not in_bwd[i] and fwd[index[n.args[0]]]:
+                fwd[i] = True
+            if fwd[i]:
+                kind[i] = FWD
+
+        storage: list[int] = []
+        storage_bytes: list[int] = []
+        by_key: dict[int, int] = {}
+        is_sym: list[bool] = []
+        for n in nodes:
+            val = n.meta.get("val")
+            is_sym.append(tp.is_sym_node(n))
+            if isinstance(val, torch.Tensor):
+                try:
+                    st = val.untyped_storage()
+                    key, nbytes = st._cdata, int(st.nbytes())
+                    while storage_remap and key in storage_remap:
+                        key = storage_remap[key]
+                except Exception:  # tensor subclasses without a plain storage
+                    key, nbytes = id(val), val.numel() * val.element_size()
+                sid = by_key.get(key)
+                if sid is None:
+                    sid = by_key[key] = len(storage_bytes)
+                    storage_bytes.append(nbytes)
+                storage.append(sid)
+            else:
+                storage.append(-1)
+
+        banned = []
+        for n in nodes:
+            ban = _is_random(n) or _is_impure(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
+            if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node):
+                ban = ban or _is_random(n.args[0]) or _is_impure(n.args[0])
+            banned.append(ban)
+
+        # Ops whose outputs become in-place updates of the caller's tensors (BatchNorm running
+        # stats, say) have a side effect: they run once. Their buffers also change after the
+        # forward, so a recomputation reading them would see the new values.
+        descs = out_node.meta.get("desc") or []
+        for out, desc in zip(flat_outs[:num_fwd_outputs], list(descs)[:num_fwd_outputs], strict=True):
+            if type(desc).__name__ != "InputMutationAOTOutput" or not isinstance(out, fx.Node):
+                continue
+            op = out.args[0] if out.target is operator.getitem else out
+            if isinstance(op, fx.Node) and op.op == "call_function":
+                banned[index[op]] = True
+                for u in op.users:
+                    if u in index:
+                        banned[index[u]] = True
+
+        cost_s = [cost.node_seconds(n) for n in nodes]
+        tangent_users = [u for i in range(len(nodes)) if kind[i] == TANGENT for u in users[i]]
+        first_bwd = min(tangent_users) if tangent_users else len(nodes)
+        materialized = [True] * len(storage_bytes)
+        if fusing:
+            materialized = _materialized_storages(nodes, users, storage, len(storage_bytes))
+        return cls(
+            materialized=materialized,
+            gm=gm,
+            num_fwd_outputs=num_fwd_outputs,
+            nodes=nodes,
+            index=index,
+            kind=kind,
+            inputs=inputs,
+            users=users,
+            storage=storage,
+            storage_bytes=storage_bytes,
+            banned=banned,
+            cost_s=cost_s,
+            fwd_outputs=fwd_outputs,
+            bwd_outputs=bwd_outputs,
+            first_bwd=first_bwd,
+            is_sym=is_sym,
+        )
+
+    def nbytes(self, i: int) -> int:
+        sid = self.storage[i]
+        return self.storage_bytes[sid] if sid >= 0 else 0
+
+    def boundary(self) -> list[int]:
+        """Forward nodes the backward reads directly: what eager autograd would save."""
+        out = {j for i in range(len(self.nodes)) if self.kind[i] == BWD for j in self.inputs[i]}
+        return sorted(j for j in out if self.kind[j] == FWD)
+
+    def primal_bytes(self) -> int:
+        seen = {self.storage[i] for i, k in enumerate(self.kind) if k == PRIMAL and self.storage[i] >= 0}
+        return sum(self.storage_bytes[s] for s in seen)

@@ -1,0 +1,187 @@
+"""AOTAutograd's `partition_fn`: plan the joint graph against the budget, then emit it.
+
+Deciding is separate from doing: `JointGraph` + `plan_trajectory` produce a `Choice` (which
+forward values are saved); `_emit` only applies it, letting torch cut the joint graph at
+exactly that boundary (anything unsaved that the backward needs is copied into it) and order
+the backward so recomputation happens right before use, as `simulate` assumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxmem import _torch_private as tp
+from fxmem.cleanup import remove_redundant_clones
+from fxmem.cost import CostModel, measure_rates
+from fxmem.errors import BudgetError
+from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
+from fxmem.plan import Decision, Plan
+from fxmem.planner import Choice, Trajectory, plan_trajectory
+from fxmem.simulate import simulate
+
+__all__ = ["PlanRequest", "make_partition_fn"]
+
+log = logging.getLogger("fxmem")
+
+
+@dataclass
+class PlanRequest:
+    """What one compiled graph is planned against, gathered by the backend at capture time."""
+
+    budget_bytes: int | None
+    device: torch.device
+    static_bytes: dict[str, int]  # alive at step entry, by category (parameters, inputs, other)
+    optimizer_bytes: int = 0  # optimizer state not yet allocated
+    optimizer_step_bytes: int = 0  # temporaries of the optimizer step, beside all gradients
+    compiler: str = "inductor"
+    margin_fraction: float = 0.03
+    margin_bytes: int = 2 * 2**20
+    rewrites: dict[str, int] = field(default_factory=dict)
+    on_plan: Callable[[Plan], None] | None = None
+
+    def reserved_bytes(self) -> int:
+        """Bytes alive through the whole step that no plan changes."""
+        return sum(self.static_bytes.values()) + self.optimizer_bytes
+
+    def budget_for(self, peak_bytes: int) -> int:
+        """The smallest budget whose limit admits a simulated peak of `peak_bytes`."""
+        need = self.reserved_bytes() + peak_bytes + self.margin_bytes
+        return int(need / (1.0 - self.margin_fraction)) + 1
+
+    def margin(self) -> int:
+        """Head-room kept between the predicted peak and the budget."""
+        return self.margin_bytes + int(self.margin_fraction * (self.budget_bytes or 0))
+
+
+def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
+        t0 = time.perf_counter()
+        cost = CostModel(measure_rates(str(req.device)))
+        storage_remap = remove_redundant_clones(joint)
+        jg = JointGraph.build(joint, num_fwd_outputs, cost, storage_remap, fusing=req.compiler == "inductor")
+        grad_bytes = sum(jg.storage_bytes[s] for s in {jg.storage[i] for i in jg.bwd_outputs} if s >= 0)
+        trajectory = plan_trajectory(
+            jg, floor_bytes=grad_bytes + req.optimizer_step_bytes if req.optimizer_step_bytes else 0
+        )
+        reserved = req.reserved_bytes()
+        floor_choice = trajectory.smallest
+        floor_bytes = req.budget_for(trajectory.peak(floor_choice))
+        if req.budget_bytes is None:
+            choice = trajectory.unconstrained
+        else:
+            choice = trajectory.choose(req.budget_bytes - reserved - req.margin())
+        planning_s = time.perf_counter() - t0
+        if choice is None:
+            plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s)
+            raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan)
+        plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s)
+        log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
+        fw, bw = _emit(jg, choice)
+        if req.on_plan is not None:
+            req.on_plan(plan)
+        return fw, bw
+
+    return partition_fn
+
+
+def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModule]:
+    recomputed = set(choice.timeline.recomputed)
+    readers = [i for i, k in enumerate(jg.kind) if k not in (FWD, PRIMAL) or i in recomputed]
+    needed = {j for i in readers for j in jg.inputs[i]}
+    saved_values, saved_syms = [], []
+    for i, node in enumerate(jg.nodes):
+        if i not in needed or i in recomputed:
+            continue
+        if jg.kind[i] == PRIMAL and jg.storage[i] >= 0:
+            saved_values.append(node)
+        elif jg.kind[i] == FWD and jg.is_sym[i]:
+            saved_syms.append(node)
+        elif jg.kind[i] == FWD and choice.saved[i]:
+            saved_values.append(node)
+    fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
+    bw = tp.reorder_backward_lazily(bw)
+    for gm in (fw, bw):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return fw, bw
+
+
+def _breakdown(req: PlanRequest, jg: JointGraph, choice: Choice) -> dict[str, int]:
+    tl = simulate(jg, choice.saved, snapshot_at=choice.timeline.peak_pos)
+    grads = {jg.storage[i] for i in jg.bwd_outputs}
+    recomputed = {jg.storage[i] for i in tl.recomputed}
+    out = dict(req.static_bytes)
+    if req.optimizer_bytes:
+        out["optimizer"] = req.optimizer_bytes
+    cats = {"saved activations": 0, "recomputed": 0, "gradients": 0, "temporaries": 0}
+    for s in tl.alive_at_snapshot:
+        nbytes = jg.storage_bytes[s]
+        if s in tl.saved_interval:
+            cats["saved activations"] += nbytes
+        elif s in grads:
+            cats["gradients"] += nbytes
+        elif s in recomputed:
+            cats["recomputed"] += nbytes
+        else:
+            cats["temporaries"] += nbytes
+    out.update(cats)
+    return out
+
+
+def _make_plan(
+    req: PlanRequest,
+    jg: JointGraph,
+    trajectory: Trajectory,
+    choice: Choice,
+    floor_bytes: int,
+    planning_s: float,
+) -> Plan:
+    tl = choice.timeline
+    recomputed = set(tl.recomputed)
+    candidates = sorted(set(jg.boundary()) | recomputed | {i for i, s in enumerate(choice.saved) if s})
+    decisions = []
+    for i in candidates:
+        node = jg.nodes[i]
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or jg.kind[i] != FWD:
+            continue
+        if i in recomputed:
+            action, reason = "recompute", "recomputed in backward to lower the peak"
+        elif jg.banned[i]:
+            action, reason = "save", "must run once (random or side effect)"
+        else:
+            action, reason = "save", "read by backward; fits the budget"
+        decisions.append(
+            Decision(
+                name=node.name,
+                nbytes=val.numel() * val.element_size(),
+                action=action,
+                cost_s=jg.cost_s[i] if action == "recompute" else 0.0,
+                op=str(node.target),
+                module=module_path(node),
+                source=source_line(node),
+                reason=reason,
+            )
+        )
+    reserved = req.reserved_bytes()
+    return Plan(
+        budget_bytes=req.budget_bytes,
+        predicted_peak_bytes=reserved + trajectory.peak(choice),
+        floor_bytes=floor_bytes,
+        unconstrained_peak_bytes=reserved + trajectory.peak(trajectory.unconstrained),
+        breakdown=_breakdown(req, jg, choice),
+        decisions=decisions,
+        rewrites=dict(req.rewrites),
+        added_time_s=tl.recompute_s,
+        planning_s=planning_s,
+        compiler=req.compiler,
+        device=str(req.device),
+        graph_nodes=len(jg.nodes),
+    )

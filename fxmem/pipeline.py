@@ -1,0 +1,38 @@
+"""The ordered list of rule passes run on the captured torch-level graph, before AOTAutograd.
+
+Each pass takes a graph and returns it and how many times its rules fired. The order is
+part of the design: a comment beside each entry says why it stands where it does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+__all__ = ["PASSES", "run_passes"]
+
+PassFn = Callable[[fx.GraphModule, Sequence[Any]], tuple[fx.GraphModule, int]]
+
+# name -> (pass function, exact?). Exact passes run by default; the others only when named.
+PASSES: dict[str, tuple[PassFn, bool]] = {}
+
+
+def run_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], names: Sequence[str] | None
+) -> tuple[fx.GraphModule, dict[str, int]]:
+    """Run the named passes (None: every exact pass) in pipeline order."""
+    if names is None:
+        selected = [n for n, (_, exact) in PASSES.items() if exact]
+    else:
+        unknown = sorted(set(names) - set(PASSES))
+        if unknown:
+            raise ValueError(f"unknown pass(es) {unknown}; available: {sorted(PASSES)}")
+        selected = [n for n in PASSES if n in set(names)]
+    fired: dict[str, int] = {}
+    for name in selected:
+        fn, _ = PASSES[name]
+        gm, count = fn(gm, example_inputs)
+        fired[name] = count
+    return gm, fired

@@ -1,0 +1,197 @@
+"""Choose which forward values to save and which to recompute, against the simulated peak.
+
+The solver walks one trajectory from "save everything the backward reads" (fastest) towards
+the smallest peak it can reach. Each step looks at the moment of the current peak, takes the
+saved storages alive then, and unsaves those that free the most bytes per second of added
+recomputation, re-simulating after each batch; a batch that raises the peak is undone. The
+trajectory is the menu: a budget takes the first (cheapest) state whose peak fits, then a
+polishing pass saves again whatever recomputation the budget still has room for. The lowest
+peak along the trajectory is the floor.
+
+This is not a knapsack on summed saved bytes: every decision is judged by the peak over time
+that `simulate` reports, in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxmem.graph import FWD, PRIMAL, TANGENT, JointGraph
+from fxmem.simulate import InfeasibleSave, Timeline, simulate
+
+__all__ = ["Choice", "Trajectory", "plan_trajectory"]
+
+_BATCH_FRACTION = 0.04  # bytes unsaved per step, as a share of the current peak
+_POLISH_TRIES = 40
+
+
+@dataclass
+class Choice:
+    saved: list[bool]
+    timeline: Timeline
+
+
+@dataclass
+class _Move:
+    sid: int
+    unsave: tuple[int, ...]
+    also_save: tuple[int, ...]
+    gain_bytes: int
+    cost_s: float
+
+    @property
+    def score(self) -> float:
+        return self.gain_bytes / (self.cost_s + 1e-9)
+
+
+def _initial_saved(jg: JointGraph) -> list[bool]:
+    saved = [False] * len(jg.nodes)
+    for i in jg.boundary():
+        saved[i] = True
+    return saved
+
+
+def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> list[_Move]:
+    """Ways to lower the peak by unsaving one storage that is alive at the peak."""
+    alive = [s for s, (a, f) in tl.saved_interval.items() if a <= tl.peak_pos <= f and s not in tried]
+    if not alive:
+        return []
+    members: dict[int, list[int]] = {}
+    for i, k in enumerate(jg.kind):
+        if k == FWD and saved[i] and jg.storage[i] in tl.saved_interval:
+            members.setdefault(jg.storage[i], []).append(i)
+    recomputed = set(tl.recomputed)
+    saved_sids = set(tl.saved_interval)
+    moves = []
+    for sid in alive:
+        group = members.get(sid, [])
+        if not group or any(jg.banned[i] for i in group):
+            continue
+        in_group = set(group)
+
+        def available(j: int, in_group: set[int] = in_group) -> bool:
+            return (
+                jg.kind[j] in (PRIMAL, TANGENT) or jg.is_sym[j] or (saved[j] and j not in in_group) or j in recomputed
+            )
+
+        # Variant 1: recompute the chain back to whatever is available.
+        cost, extra, seen, todo = 0.0, set(), set(group), list(group)
+        while todo:
+            i = todo.pop()
+            cost += jg.cost_s[i]
+            for j in jg.inputs[i]:
+                if j in seen or available(j):
+                    continue
+                seen.add(j)
+                if jg.banned[j]:
+                    extra.add(j)
+                else:
+                    todo.append(j)
+        gain = jg.storage_bytes[sid] - _new_bytes(jg, extra, saved_sids)
+        if gain > 0:
+            moves.append(_Move(sid, tuple(group), tuple(extra), gain, cost))
+        # Variant 2: recompute only the group, saving its missing inputs instead.
+        frontier = {j for i in group for j in jg.inputs[i] if j not in in_group and not available(j)}
+        if frontier and frontier != extra and all(jg.storage[j] >= 0 for j in frontier):
+            gain2 = jg.storage_bytes[sid] - _new_bytes(jg, frontier, saved_sids)
+            cost2 = sum(jg.cost_s[i] for i in group)
+            if gain2 > 0:
+                moves.append(_Move(sid, tuple(group), tuple(frontier), gain2, cost2))
+    return moves
+
+
+def _new_bytes(jg: JointGraph, nodes: set[int], saved_sids: set[int]) -> int:
+    sids = {jg.storage[j] for j in nodes if jg.storage[j] >= 0} - saved_sids
+    return sum(jg.storage_bytes[s] for s in sids)
+
+
+def _apply(saved: list[bool], moves: list[_Move]) -> list[bool]:
+    out = saved.copy()
+    for m in moves:
+        for i in m.unsave:
+            out[i] = False
+    for m in moves:
+        for j in m.also_save:
+            out[j] = True
+    return out
+
+
+class Trajectory:
+    """States from fastest to smallest peak; `choose(limit)` picks one for a budget."""
+
+    def __init__(self, jg: JointGraph, states: list[Choice], floor_bytes: int = 0):
+        self.jg = jg
+        self.states = states
+        self.floor_bytes = floor_bytes  # a peak no plan goes below (the optimizer step's)
+
+    def peak(self, choice: Choice) -> int:
+        return max(choice.timeline.peak_bytes, self.floor_bytes)
+
+    @property
+    def unconstrained(self) -> Choice:
+        return self.states[0]
+
+    @property
+    def smallest(self) -> Choice:
+        return min(self.states, key=lambda c: (self.peak(c), c.timeline.recompute_s))
+
+    def choose(self, limit_bytes: int) -> Choice | None:
+        fitting = [c for c in self.states if self.peak(c) <= limit_bytes]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda c: c.timeline.recompute_s)
+        return self._polish(best, limit_bytes)
+
+    def _polish(self, choice: Choice, limit_bytes: int) -> Choice:
+        """Save again the costliest recomputed values while the peak stays within the limit."""
+        jg = self.jg
+        tried = 0
+        for i in sorted(set(choice.timeline.recomputed), key=lambda i: -jg.cost_s[i]):
+            if tried >= _POLISH_TRIES or jg.cost_s[i] <= 0:
+                break
+            if jg.storage[i] < 0:
+                continue  # a tuple-valued op: its outputs are the values to save
+            if i not in set(choice.timeline.recomputed):
+                continue  # no longer recomputed thanks to an earlier re-save
+            tried += 1
+            trial = choice.saved.copy()
+            trial[i] = True
+            try:
+                tl = simulate(jg, trial)
+            except InfeasibleSave:
+                continue
+            if max(tl.peak_bytes, self.floor_bytes) <= limit_bytes and tl.recompute_s < choice.timeline.recompute_s:
+                choice = Choice(trial, tl)
+        return choice
+
+
+def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
+    saved = _initial_saved(jg)
+    tl = simulate(jg, saved)
+    states = [Choice(saved, tl)]
+    tried: set[int] = set()
+    single = False
+    while True:
+        moves = sorted(_moves(jg, saved, tl, tried), key=lambda m: -m.score)
+        if not moves:
+            break
+        want = 1 if single else max(1, int(_BATCH_FRACTION * tl.peak_bytes))
+        batch, total = [], 0
+        for m in moves:
+            batch.append(m)
+            total += m.gain_bytes
+            if total >= want:
+                break
+        try:
+            new_tl = simulate(jg, _apply(saved, batch))
+        except InfeasibleSave:
+            new_tl = None
+        if new_tl is not None and new_tl.peak_bytes <= tl.peak_bytes:
+            saved, tl, single = _apply(saved, batch), new_tl, False
+            states.append(Choice(saved, tl))
+        elif len(batch) == 1:
+            tried.add(batch[0].sid)
+            single = False
+        else:
+            single = True
+    return Trajectory(jg, states, floor_bytes)

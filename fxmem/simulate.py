@@ -1,0 +1,238 @@
+"""Memory over time for one training step, given which forward values are saved.
+
+The forward runs the forward nodes in graph order. The backward runs the backward nodes from
+the first one that reads a gradient, and brings in what each needs just before it needs it:
+forward values that were not saved are recomputed there, in graph order (this is the order
+the emitted backward graph has, see `emit.py`). Every storage is freed after its last reader;
+saved storages live from the forward into the backward; outputs (the loss, gradients) live to
+the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
+
+__all__ = ["InfeasibleSave", "Timeline", "simulate"]
+
+
+class InfeasibleSave(Exception):
+    """The saved set makes the backward recompute a node that must run only once."""
+
+    def __init__(self, node_index: int):
+        super().__init__(node_index)
+        self.node_index = node_index
+
+
+@dataclass
+class Timeline:
+    peak_bytes: int  # activation/gradient bytes at the worst moment (static excluded)
+    peak_pos: int
+    curve: list[int]  # bytes in use after each step's allocation
+    order: list[int]  # node index run at each step
+    boundary: int  # steps < boundary are forward
+    recomputed: list[int]  # forward nodes run again in backward
+    recompute_s: float
+    saved_interval: dict[int, tuple[int, int]]  # saved storage -> (alloc step, free step)
+    kinds: list[str]  # per step: "fwd", "bwd" or "recompute"
+    alive_at_snapshot: frozenset[int] = frozenset()
+
+
+def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
+    """Backward schedule and the forward nodes it recomputes."""
+    n = len(jg.nodes)
+    done = [False] * n
+    for i, k in enumerate(jg.kind):
+        if k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])):
+            done[i] = True
+    order: list[int] = []
+    recomputed: list[int] = []
+
+    def bring(root: int) -> None:
+        if done[root]:
+            return
+        todo, seen = [root], {root}
+        while todo:
+            i = todo.pop()
+            for j in jg.inputs[i]:
+                if not done[j] and j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        for i in sorted(seen):
+            if jg.kind[i] == FWD:
+                if jg.banned[i]:
+                    raise InfeasibleSave(i)
+                recomputed.append(i)
+            done[i] = True
+            order.append(i)
+
+    for i in range(jg.first_bwd, n):
+        if jg.kind[i] == BWD:
+            bring(i)
+    for i in jg.bwd_outputs:
+        bring(i)
+    return order, recomputed
+
+
+def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeline:
+    """Run the step on paper; `snapshot_at` records the storages alive at that step."""
+    fwd_order = [i for i, k in enumerate(jg.kind) if k == FWD]
+    bwd_order, recomputed = backward_order(jg, saved)
+    order = fwd_order + bwd_order
+    boundary = len(fwd_order)
+    storage, sbytes = jg.storage, jg.storage_bytes
+
+    static = {storage[i] for i, k in enumerate(jg.kind) if k in (PRIMAL, TANGENT) and storage[i] >= 0}
+    pinned_end = {storage[i] for i in jg.fwd_outputs + jg.bwd_outputs if storage[i] >= 0}
+    saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
+
+    # Last reader of each storage, per phase: a value freed in the forward and recomputed in
+    # the backward is two allocations.
+    last_f: dict[int, int] = {}
+    last_b: dict[int, int] = {}
+    for t, i in enumerate(order):
+        last = last_f if t < boundary else last_b
+        s = storage[i]
+        if s >= 0:
+            last[s] = t
+        for j in jg.inputs[i]:
+            s = storage[j]
+            if s >= 0:
+                last[s] = t
+
+    frees: dict[int, list[int]] = {}
+    end = len(order)
+    for s, t in last_f.items():
+        if s in static:
+            continue
+        if s in pinned_end:
+            t = end
+        elif s in saved_sids:
+            t = last_b.get(s, boundary - 1)
+        frees.setdefault(t, []).append(s)
+    for s, t in last_b.items():
+        if s in static or s in saved_sids or (s in pinned_end and s in last_f):
+            continue
+        frees.setdefault(end if s in pinned_end else t, []).append(s)
+
+    # What a storage costs while alive: nothing if a fusing compiler never writes it out.
+    held = saved_sids | pinned_end
+    cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
+    alive: set[int] = set()
+    charged: dict[int, int] = {}
+    snapshot: frozenset[int] = frozenset()
+    alloc_at: dict[int, int] = {}
+    cur = peak = peak_pos = 0
+    curve = []
+    rset = set(recomputed)
+    for t, i in enumerate(order):
+        s = storage[i]
+        if s >= 0 and s not in static and s not in alive:
+            alive.add(s)
+            alloc_at[s] = t
+            # Recomputed values are written out in full: fused or not, the backward kernels
+            # that read them are scheduled apart from the ones that make them.
+            charged[s] = sbytes[s] if i in rset else cost[s]
+            cur += charged[s]
+        curve.append(cur)
+        if t == snapshot_at:
+            snapshot = frozenset(alive)
+        if cur > peak:
+            peak, peak_pos = cur, t
+        for s in frees.get(t, ()):
+            if s in alive:
+                alive.discard(s)
+                cur -= charged[s]
+
+    saved_interval = {}
+    for s in saved_sids:
+        free_t = last_b.get(s, boundary - 1)
+        saved_interval[s] = (alloc_at.get(s, 0), end if s in pinned_end else free_t)
+    kinds = ["fwd"] * boundary + ["recompute" if i in rset else "bwd" for i in bwd_order]
+    return Timeline(
+        peak_bytes=peak,
+        peak_pos=peak_pos,
+        curve=curve,
+        order=order,
+        boundary=boundary,
+        recomputed=recomputed,
+        recompute_s=sum(jg.cost_s[i] for i in recomputed),
+        saved_interval=saved_interval,
+        kinds=kinds,
+        alive_at_snapshot=snapshot,
+    )
+
+
+def _storage_key(node, remap: dict[int, int]) -> int | None:
+    val = node.meta.get("val") if hasattr(node, "meta") else None
+    if not hasattr(val, "untyped_storage"):
+        return None
+    try:
+        key = val.untyped_storage()._cdata
+    except Exception:
+        return None
+    while key in remap:
+        key = remap[key]
+    return key
+
+
+def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, list[str]]:
+    """Peak bytes (static inputs excluded) of running the emitted forward then backward.
+
+    This reads the graphs exactly as they will run, so it checks `simulate`'s schedule.
+    Returns the peak and the names of the nodes alive at it.
+    """
+    remap = remap or {}
+    nbytes: dict[int, int] = {}
+    names: dict[int, str] = {}
+
+    def key(n):
+        k = _storage_key(n, remap)
+        if k is not None and k not in nbytes:
+            nbytes[k] = int(n.meta["val"].untyped_storage().nbytes())
+            names[k] = n.name
+        return k
+
+    fw_out = next(iter(fw.graph.find_nodes(op="output")))
+    bw_out = next(iter(bw.graph.find_nodes(op="output")))
+    bw_inputs = [n.name for n in bw.graph.find_nodes(op="placeholder")]
+    static = {key(n) for n in fw.graph.find_nodes(op="placeholder")} - {None}
+    static |= {key(n) for n in bw.graph.find_nodes(op="placeholder") if "tangent" in n.name} - {None}
+    fw_outputs = [a for a in fw_out.all_input_nodes]
+    by_name = {n.name: n for n in fw_outputs}
+    saved = {key(by_name[nm]) for nm in bw_inputs if nm in by_name} - {None}
+    user_outs = {key(n) for n in fw_outputs if n.name not in bw_inputs} - {None}
+    grads = {key(n) for n in bw_out.all_input_nodes} - {None}
+
+    steps: list[tuple[object, int]] = []
+    for phase, gm in ((0, fw), (1, bw)):
+        steps += [(n, phase) for n in gm.graph.nodes if n.op == "call_function"]
+    last: dict[tuple[int, int], int] = {}
+    for t, (n, phase) in enumerate(steps):
+        for m in [n, *n.all_input_nodes]:
+            k = key(m)
+            if k is not None:
+                last[(k, phase)] = t
+    end = len(steps)
+    alive: dict[int, int] = {}  # key -> free step
+    cur = peak = 0
+    peak_alive: list[str] = []
+    bw_start = sum(1 for _, p in steps if p == 0)
+    for t, (n, phase) in enumerate(steps):
+        k = key(n)
+        if k is not None and k not in static and k not in alive:
+            if k in user_outs or k in grads:
+                free = end
+            elif k in saved and phase == 0:
+                free = last.get((k, 1), bw_start)
+            else:
+                free = last.get((k, phase), t)
+            alive[k] = free
+            cur += nbytes[k]
+        if cur > peak:
+            peak, peak_alive = cur, [names[a] for a in alive]
+        for a in [a for a, f in alive.items() if f == t]:
+            del alive[a]
+            cur -= nbytes[a]
+    return peak, peak_alive

@@ -1,0 +1,1 @@
+"""fxmem's rewrite passes, one file a pass, installed as `fxmem.passes`."""

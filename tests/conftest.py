@@ -1,0 +1,51 @@
+"""Helpers shared by fxmem's tests: one training step, gradient comparison, a clean slate."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+# Small enough for a 2-core CPU, with attention activations large enough that remat matters.
+SMALL_GPT = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)
+GPT_BATCH = (4, 256)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    gc.collect()
+    yield
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def step(model, *args, **kwargs):
+    """Forward and backward; returns the loss (detached)."""
+    out = model(*args, **kwargs)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.detach()
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def zero_grads(model) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    errs = [((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in a]
+    return max(errs)
+
+
+def small_gpt(seed: int = 0, cfg: GPTConfig = SMALL_GPT):
+    torch.manual_seed(seed)
+    return GPT(cfg), gpt_batch(cfg, *GPT_BATCH)

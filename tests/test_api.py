@@ -1,0 +1,227 @@
+"""fxmem.optimize: budgets held as measured, gradients exact, errors clear, module unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_grads
+
+import fxmem
+from fxmem.testing import GPT, ConvNet, GPTConfig, gpt_batch
+
+MiB = 2**20
+
+
+def _eager_reference(model, batch):
+    """Measured eager peak, loss and gradients of one step; leaves no gradients behind."""
+    step(model, *batch)  # warm-up: lazy allocations, profiler bookkeeping
+    zero_grads(model)
+    m = fxmem.measure(step, model, *batch)
+    ref = grads_of(model)
+    zero_grads(model)
+    return m, ref
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6, 0.5])
+def test_budget_held_and_gradients_exact_gpt(fraction):
+    model, batch = small_gpt()
+    eager, ref = _eager_reference(model, batch)
+    budget = fraction * eager.peak_bytes
+    m = fxmem.optimize(model, budget / 2**30, compiler="eager")
+    step(m, *batch)  # plans and compiles
+    zero_grads(model)
+    got = fxmem.measure(step, m, *batch)
+    plan = m.plan
+    assert got.peak_bytes <= budget, f"measured {got.peak_bytes / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB"
+    assert abs(plan.predicted_peak_bytes - got.peak_bytes) <= 0.15 * got.peak_bytes
+    assert max_rel_err(grads_of(model), ref) < 1e-4
+    assert torch.allclose(got.result, eager.result, rtol=1e-5)
+    if fraction <= 0.6:
+        assert plan.recomputed, "a budget this tight needs recomputation"
+
+
+@pytest.mark.slow
+def test_budget_held_with_inductor():
+    model, batch = small_gpt()
+    eager, ref = _eager_reference(model, batch)
+    budget = 0.6 * eager.peak_bytes
+    m = fxmem.optimize(model, budget / 2**30)  # inductor by default
+    step(m, *batch)
+    zero_grads(model)
+    got = fxmem.measure(step, m, *batch)
+    assert got.peak_bytes <= budget
+    assert abs(m.plan.predicted_peak_bytes - got.peak_bytes) <= 0.15 * got.peak_bytes
+    assert max_rel_err(grads_of(model), ref) < 1e-4
+
+
+def test_dropout_recomputation_reproduces_forward_randomness():
+    cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    batch = gpt_batch(cfg, 4, 128)
+    results = []
+    for budget_gb in (4.0, None):
+        if budget_gb is None:  # tight: just above the floor (the first run's gradients now live too)
+            budget_gb = 1.1 * results[0][2] / 2**30
+        torch._dynamo.reset()
+        m = fxmem.optimize(model, budget_gb, compiler="eager")
+        torch.manual_seed(123)
+        loss = step(m, *batch)
+        results.append((loss, grads_of(model), m.plan.floor_bytes, m.plan))
+        zero_grads(model)
+    (loss_free, g_free, _, _), (loss_tight, g_tight, _, tight_plan) = results
+    assert tight_plan.recomputed, "the tight plan must recompute something"
+    assert torch.equal(loss_free, loss_tight)
+    assert max_rel_err(g_tight, g_free) < 1e-6
+    # the dropout masks were drawn once: no random op is ever recomputed
+    assert not any("rand" in d.op or "bernoulli" in d.op for d in tight_plan.recomputed)
+
+
+def test_batchnorm_running_stats_updated_once():
+    torch.manual_seed(0)
+    eager = ConvNet()
+    planned = ConvNet()
+    planned.load_state_dict(eager.state_dict())
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    step(eager, x, y)
+    floor = fxmem.optimize(planned, 1.0, example_inputs=(x, y), compiler="eager").plan.floor_bytes
+    torch._dynamo.reset()
+    m = fxmem.optimize(planned, 1.05 * floor / 2**30, compiler="eager")
+    step(m, x, y)
+    assert m.plan.recomputed
+    for (k, a), (_, b) in zip(eager.state_dict().items(), planned.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), k
+    assert max_rel_err(grads_of(planned), grads_of(eager)) < 1e-4
+
+
+def test_impossible_budget_raises_before_running_and_leaves_model_untouched():
+    model, batch = small_gpt()
+    step(model, *batch)  # the model has gradients the error must not touch
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads_before = grads_of(model)
+    m = fxmem.optimize(model, 1e-3, compiler="eager")  # 1 MiB: below parameters alone
+    t0 = time.perf_counter()
+    with pytest.raises(fxmem.BudgetError) as info:
+        m(*batch)
+    assert time.perf_counter() - t0 < 60
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.floor_bytes > 2**20
+    assert f"{err.floor_bytes / 2**30:.4f}" in str(err)
+    assert "parameters" in err.breakdown and "MiB" in str(err)
+    assert err.plan is not None and err.plan.floor_bytes == err.floor_bytes
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(torch.equal(g, grads_before[n]) for n, g in grads_of(model).items())
+    # and the floor it names is a budget that works
+    torch._dynamo.reset()
+    zero_grads(model)
+    ok = fxmem.optimize(model, err.floor_bytes / 2**30, compiler="eager")
+    step(ok, *batch)
+    zero_grads(model)
+    assert fxmem.measure(step, ok, *batch).peak_bytes <= err.floor_bytes
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "8GB", None, True, [1]])
+def test_nonsense_budgets_refused(bad):
+    model = nn.Linear(4, 4)
+    with pytest.raises((ValueError, TypeError), match="budget_gb"):
+        fxmem.optimize(model, bad)
+
+
+def test_bad_options_refused():
+    with pytest.raises(ValueError, match="compiler"):
+        fxmem.optimize(nn.Linear(2, 2), 1.0, compiler="tvm")
+    with pytest.raises(TypeError):
+        fxmem.optimize("not a module", 1.0)
+
+
+def test_same_module_shared_parameters_and_state_dict():
+    model, batch = small_gpt()
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    assert list(m.state_dict().keys()) == list(model.state_dict().keys())
+    assert all(a is b for a, b in zip(m.parameters(), model.parameters(), strict=True))
+    assert dict(m.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    m.eval()
+    assert not model.training and all(not mod.training for mod in model.modules())
+    m.train()
+    assert model.training
+    assert m.cfg is model.cfg  # attributes reach through
+    sd = {k: v + 1 for k, v in model.state_dict().items()}
+    m.load_state_dict(sd)
+    assert torch.equal(model.wte.weight, sd["wte.weight"])
+
+
+def test_new_input_shape_replans_and_budget_holds():
+    model, (idx, tgt) = small_gpt()
+    eager, _ = _eager_reference(model, (idx, tgt))
+    budget = 0.6 * eager.peak_bytes
+    m = fxmem.optimize(model, budget / 2**30, compiler="eager")
+    step(m, idx, tgt)
+    short = (idx[:, :128].contiguous(), tgt[:, :128].contiguous())
+    step(m, *short)
+    assert len(m.plans) == 2
+    assert m.plans[0].decisions != m.plans[1].decisions
+    zero_grads(model)
+    assert fxmem.measure(step, m, *short).peak_bytes <= budget
+    zero_grads(model)
+    assert fxmem.measure(step, m, idx, tgt).peak_bytes <= budget
+
+
+def test_example_inputs_plan_before_first_call_without_side_effects():
+    torch.manual_seed(0)
+    model = ConvNet()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    rng = torch.get_rng_state()
+    m = fxmem.optimize(model, 0.5, example_inputs=(x, y), compiler="eager")
+    assert m.plan is not None and m.plan.budget_bytes == int(0.5 * 2**30)
+    assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_kwargs_and_model_output():
+    class KwModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, *, scale=1.0):
+            return {"loss": (self.lin(x) * scale).pow(2).mean(), "hidden": self.lin(x)}
+
+    torch.manual_seed(0)
+    model = KwModel()
+    x = torch.randn(8, 16)
+    ref = model(x, scale=2.0)
+    ref["loss"].backward()
+    g_ref = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 0.1, compiler="eager")
+    out = m(x, scale=2.0)
+    out["loss"].backward()
+    assert torch.allclose(out["hidden"], ref["hidden"])
+    assert max_rel_err(grads_of(model), g_ref) < 1e-5
+
+
+def test_plan_summary_and_json_roundtrip(tmp_path):
+    model, batch = small_gpt()
+    m = fxmem.optimize(model, 0.05, compiler="eager")
+    step(m, *batch)
+    plan = m.plan
+    text = plan.summary()
+    assert "budget" in text and "floor" in text and "MiB" in text
+    path = plan.save(tmp_path / "plan")
+    data = json.loads(open(path).read())
+    for key in ("budget_bytes", "predicted_peak_bytes", "floor_bytes", "breakdown", "decisions", "rewrites"):
+        assert key in data
+    assert {d["action"] for d in data["decisions"]} <= {"save", "recompute"}
+    assert all({"name", "nbytes", "action", "cost_s"} <= d.keys() for d in data["decisions"])
+    assert fxmem.Plan.load(path) == plan
+    assert plan.floor_bytes <= plan.predicted_peak_bytes + plan.budget_bytes * 0.05 + 2**21
+    assert SMALL_GPT.n_layer == 4
