@@ -68,10 +68,8 @@ class Plan:
             f"  predicted peak   {format_bytes(self.predicted_peak_bytes)}",
             f"  floor            {format_bytes(self.floor_bytes)}",
             f"  unconstrained    {format_bytes(self.unconstrained_peak_bytes)}",
-            f"  saved            {len(self.saved)} tensors, {format_bytes(sum(d.nbytes for d in self.saved))}",
-            f"  recomputed       {len(self.recomputed)} tensors, "
-            f"{format_bytes(sum(d.nbytes for d in self.recomputed))}, "
-            f"+{self.added_time_s * 1e3:.1f} ms estimated",
+            f"  decisions        {len(self.saved)} tensors saved, {len(self.recomputed)} recomputed "
+            f"(+{self.added_time_s * 1e3:.1f} ms estimated)",
             "  at the peak:",
         ]
         lines += [f"    {k:<16} {format_bytes(v)}" for k, v in self.breakdown.items()]
