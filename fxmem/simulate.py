@@ -79,11 +79,14 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeli
     """Run the step on paper; `snapshot_at` records the storages alive at that step."""
     fwd_order = [i for i, k in enumerate(jg.kind) if k == FWD]
     bwd_order, recomputed = backward_order(jg, saved)
-    order = fwd_order + bwd_order
+    # Gradients of the outputs arrive as the backward starts: for outputs the loss does not
+    # depend on (logits, caches) autograd materialises full-size zeros.
+    tangents = [i for i, k in enumerate(jg.kind) if k == TANGENT]
+    order = fwd_order + tangents + bwd_order
     boundary = len(fwd_order)
     storage, sbytes = jg.storage, jg.storage_bytes
 
-    static = {storage[i] for i, k in enumerate(jg.kind) if k in (PRIMAL, TANGENT) and storage[i] >= 0}
+    static = {storage[i] for i, k in enumerate(jg.kind) if k == PRIMAL and storage[i] >= 0}
     pinned_end = {storage[i] for i in jg.fwd_outputs + jg.bwd_outputs if storage[i] >= 0}
     saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
 
@@ -149,7 +152,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeli
     for s in saved_sids:
         free_t = last_b.get(s, boundary - 1)
         saved_interval[s] = (alloc_at.get(s, 0), end if s in pinned_end else free_t)
-    kinds = ["fwd"] * boundary + ["recompute" if i in rset else "bwd" for i in bwd_order]
+    kinds = ["fwd"] * boundary + ["bwd"] * len(tangents) + ["recompute" if i in rset else "bwd" for i in bwd_order]
     return Timeline(
         peak_bytes=peak,
         peak_pos=peak_pos,
@@ -198,7 +201,6 @@ def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, 
     bw_out = next(iter(bw.graph.find_nodes(op="output")))
     bw_inputs = [n.name for n in bw.graph.find_nodes(op="placeholder")]
     static = {key(n) for n in fw.graph.find_nodes(op="placeholder")} - {None}
-    static |= {key(n) for n in bw.graph.find_nodes(op="placeholder") if "tangent" in n.name} - {None}
     fw_outputs = [a for a in fw_out.all_input_nodes]
     by_name = {n.name: n for n in fw_outputs}
     saved = {key(by_name[nm]) for nm in bw_inputs if nm in by_name} - {None}
@@ -207,7 +209,7 @@ def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, 
 
     steps: list[tuple[object, int]] = []
     for phase, gm in ((0, fw), (1, bw)):
-        steps += [(n, phase) for n in gm.graph.nodes if n.op == "call_function"]
+        steps += [(n, phase) for n in gm.graph.nodes if n.op == "call_function" or "tangent" in n.name]
     last: dict[tuple[int, int], int] = {}
     for t, (n, phase) in enumerate(steps):
         for m in [n, *n.all_input_nodes]:

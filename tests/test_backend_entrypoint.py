@@ -1,0 +1,177 @@
+"""`torch.compile(model, backend="fxmem", options=...)` with only `import torch`.
+
+Dynamo finds the backend through the `torch_dynamo_backends` entry point; fxmem is imported
+when `torch.compile` looks the name up, never before. The step runs in a fresh interpreter so
+that nothing this test process imported can make the lookup succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import step, zero_grads
+
+import fxmem
+
+# One definition, exec'd here and in the child: a small causal self-attention stack whose
+# (B, H, T, T) score tensors dominate the step, as in conftest's GPT.
+MODEL_SRC = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.h = h
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) * (C // self.h) ** -0.5
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = (att @ v).transpose(1, 2).reshape(B, T, C)
+            x = x + self.proj(y)
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab=256, d=64, h=4, n_layer=3, t=256):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+            self.blocks = nn.ModuleList(Block(d, h) for _ in range(n_layer))
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for b in self.blocks:
+                x = b(x)
+            logits = self.head(self.ln(x))
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyLM()
+        g = torch.Generator().manual_seed(1)
+        idx = torch.randint(0, 256, (4, 256), generator=g)
+        return model, (idx, idx.roll(-1, dims=1))
+    """
+)
+
+# The child: fxmem must not be loaded until torch.compile resolves backend="fxmem".
+CHILD_SRC = textwrap.dedent(
+    """
+    import copy, json, sys
+    import torch
+
+    exec(MODEL_SRC)
+    model, batch = build()
+    eager = copy.deepcopy(model)
+
+    def step(m, *args):
+        loss = m(*args)
+        loss.backward()
+        return loss.detach()
+
+    loss_ref = step(eager, *batch)
+    ref = {n: p.grad.detach().clone() for n, p in eager.named_parameters()}
+    del eager  # only its gradients stay, as in test_api (the parent's budget never saw it)
+
+    loaded_before = "fxmem" in sys.modules
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": BUDGET_GB, "compiler": "eager"})
+    loaded_by_compile = "fxmem" in sys.modules
+    step(compiled, *batch)  # plans and compiles
+    for p in model.parameters():
+        p.grad = None
+
+    import fxmem  # allowed now: the entry point has imported it already
+
+    got = fxmem.measure(step, compiled, *batch)
+    plans = fxmem.recent_plans()
+    errs = [((p.grad - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)).item() for n, p in model.named_parameters()]
+    print(json.dumps({
+        "loaded_before": loaded_before,
+        "loaded_by_compile": loaded_by_compile,
+        "peak_bytes": got.peak_bytes,
+        "predicted_peak_bytes": plans[-1].predicted_peak_bytes,
+        "n_plans": len(plans),
+        "n_recomputed": len(plans[-1].recomputed),
+        "max_rel_err": max(errs),
+        "loss_err": abs(got.result.item() - loss_ref.item()),
+    }))
+    """
+)
+
+
+def _build():
+    scope: dict = {}
+    exec(MODEL_SRC, scope)
+    return scope["build"]()
+
+
+def _eager_peak_bytes() -> int:
+    model, batch = _build()
+    step(model, *batch)  # warm-up, as test_api's _eager_reference
+    zero_grads(model)
+    return fxmem.measure(step, model, *batch).peak_bytes
+
+
+def _run_child(budget_gb: float, cwd) -> dict:
+    script = f"MODEL_SRC = {MODEL_SRC!r}\nBUDGET_GB = {budget_gb!r}\n" + CHILD_SRC
+    # Run away from the checkout, so fxmem is found as the installed distribution.
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_backend_holds_budget_in_fresh_interpreter(tmp_path):
+    eager_peak = _eager_peak_bytes()
+    budget_bytes = 0.6 * eager_peak
+    res = _run_child(budget_bytes / 2**30, tmp_path)
+    assert not res["loaded_before"], "fxmem was imported before torch.compile looked it up"
+    assert res["loaded_by_compile"], "torch.compile did not load fxmem through its entry point"
+    assert res["n_plans"] == 1
+    assert res["n_recomputed"] > 0, "a budget this tight needs recomputation"
+    assert res["peak_bytes"] <= budget_bytes, (
+        f"measured {res['peak_bytes'] / 2**20:.2f} MiB > budget {budget_bytes / 2**20:.2f} MiB "
+        f"(eager {eager_peak / 2**20:.2f} MiB)"
+    )
+    assert abs(res["predicted_peak_bytes"] - res["peak_bytes"]) <= 0.15 * res["peak_bytes"]
+    assert res["max_rel_err"] < 1e-4
+    assert res["loss_err"] <= 1e-5
+
+
+def _compile_and_call(options):
+    """Options reach the backend only when Dynamo first compiles, so that call fails."""
+    model, batch = _build()
+    compiled = torch.compile(model, backend="fxmem", options=options)
+    return compiled(*batch)
+
+
+def _inner(info) -> BaseException:
+    inner = getattr(info.value, "inner_exception", None)
+    assert isinstance(inner, ValueError), repr(inner)
+    return inner
+
+
+def test_negative_budget_refused():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="budget_gb") as info:
+        _compile_and_call({"budget_gb": -1, "compiler": "eager"})
+    assert "budget_gb" in str(_inner(info)) and "-1" in str(_inner(info))
+
+
+def test_unknown_option_refused():
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="unknown fxmem option") as info:
+        _compile_and_call({"budget_gb": 1.0, "compiler": "eager", "budget_gib": 1.0})
+    msg = str(_inner(info))
+    assert "budget_gib" in msg and "budget_gb" in msg  # names the bad key and the known ones
