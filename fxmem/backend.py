@@ -38,6 +38,39 @@ _recent: list[Plan] = []
 _RECENT_KEPT = 16
 
 
+class _Ledger:
+    """Activations each compiled region of one compiled model keeps for its backward.
+
+    With graph breaks, a model runs as several compiled regions in call order, and what an
+    earlier region saved is still alive while a later one runs. Each region is planned with
+    the others' saved bytes reserved (a recompile of the same region replaces its entry).
+    """
+
+    def __init__(self, owner: object):
+        self.owner = owner  # keeps id(owner) from being reused while the ledger lives
+        self.saved_by_region: dict[object, int] = {}
+
+    def others(self, region: object) -> int:
+        return sum(b for r, b in self.saved_by_region.items() if r != region)
+
+
+_ledgers: dict[int, _Ledger] = {}
+
+
+def _ledger_for(owner: object) -> _Ledger:
+    ledger = _ledgers.get(id(owner))
+    if ledger is None or ledger.owner is not owner:
+        ledger = _ledgers[id(owner)] = _Ledger(owner)
+    return ledger
+
+
+def _region_id() -> object:
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return getattr(compile_id, "frame_id", None)
+
+
 def recent_plans() -> list[Plan]:
     """Plans made by this process's fxmem backends, oldest first (the last 16)."""
     return list(_recent)
@@ -133,20 +166,29 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
+    ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
     gm, fired = run_passes(gm, example_inputs, opts.passes)
     state_bytes, step_bytes = optimizer_state_bytes(opts.optimizer)
 
     def on_plan(plan: Plan) -> None:
+        ledger.saved_by_region[region] = plan.saved_bytes
         _recent.append(plan)
         del _recent[:-_RECENT_KEPT]
         if opts.on_plan is not None:
             opts.on_plan(plan)
 
+    static = _static_bytes(example_inputs, device)
+    if ledger.others(region):
+        # Earlier regions' saved tensors may or may not be visible to the live-tensor scan;
+        # reserve them once either way.
+        earlier = ledger.others(region)
+        static["other live tensors"] = max(0, static["other live tensors"] - earlier)
+        static["earlier regions' activations"] = earlier
     req = PlanRequest(
         budget_bytes=opts.budget_bytes,
         device=device,
-        static_bytes=_static_bytes(example_inputs, device),
+        static_bytes=static,
         optimizer_bytes=state_bytes,
         optimizer_step_bytes=step_bytes,
         compiler=opts.compiler,

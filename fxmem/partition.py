@@ -179,6 +179,7 @@ def _make_plan(
         breakdown=_breakdown(req, jg, choice),
         decisions=decisions,
         rewrites=dict(req.rewrites),
+        saved_bytes=sum(jg.storage_bytes[s] for s in tl.saved_interval),
         added_time_s=tl.recompute_s,
         planning_s=planning_s,
         compiler=req.compiler,

@@ -40,6 +40,7 @@ class Plan:
     breakdown: dict[str, int]  # bytes per category at the predicted peak
     decisions: list[Decision]
     rewrites: dict[str, int] = field(default_factory=dict)
+    saved_bytes: int = 0  # activations kept from the forward for the backward (unique storages)
     added_time_s: float = 0.0
     planning_s: float = 0.0
     compiler: str = "inductor"

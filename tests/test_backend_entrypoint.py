@@ -175,3 +175,42 @@ def test_unknown_option_refused():
         _compile_and_call({"budget_gb": 1.0, "compiler": "eager", "budget_gib": 1.0})
     msg = str(_inner(info))
     assert "budget_gib" in msg and "budget_gb" in msg  # names the bad key and the known ones
+
+
+def test_graph_break_regions_share_one_ledger():
+    import fxmem
+    from fxmem.backend import recent_plans
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+            self.b = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            torch._dynamo.graph_break()
+            return torch.tanh(self.b(h)).square().mean()
+
+    torch.manual_seed(0)
+    model = Broken()
+    x = torch.randn(2048, 256)
+    model(x).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    eager_peak = fxmem.measure(lambda: model(x).backward()).peak_bytes
+    for p in model.parameters():
+        p.grad = None
+    # The first region is planned before the second is seen, so it may use the budget freely;
+    # the second then has to fit beside what the first saved (or be refused).
+    budget = 1.0 * eager_peak
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": budget / 2**30, "compiler": "eager"})
+    compiled(x).backward()
+    first, second = recent_plans()[-2:]
+    assert "earlier regions' activations" not in first.breakdown
+    assert second.breakdown["earlier regions' activations"] == first.saved_bytes > 0
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6), n
+        p.grad = None
+    assert fxmem.measure(lambda: compiled(x).backward()).peak_bytes <= budget
