@@ -11,12 +11,23 @@ from typing import Any
 
 import torch.fx as fx
 
+from fxmem.passes.chunked_lm_loss import chunked_lm_loss
+from fxmem.passes.fuse_projections import fuse_projections
+from fxmem.passes.swap_sdpa import swap_sdpa
+
 __all__ = ["PASSES", "run_passes"]
 
 PassFn = Callable[[fx.GraphModule, Sequence[Any]], tuple[fx.GraphModule, int]]
 
 # name -> (pass function, exact?). Exact passes run by default; the others only when named.
-PASSES: dict[str, tuple[PassFn, bool]] = {}
+PASSES: dict[str, tuple[PassFn, bool]] = {
+    # First: reads attention as written, before projections are fused or regions cast.
+    "swap_sdpa": (swap_sdpa, True),
+    # After swap_sdpa, which reads q/k/v as separate values; before casts of whole regions.
+    "fuse_projections": (fuse_projections, True),
+    # Last: reads the LM head as the passes before it leave it.
+    "chunked_lm_loss": (chunked_lm_loss, True),
+}
 
 
 def run_passes(

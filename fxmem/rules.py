@@ -1,0 +1,473 @@
+"""The rule matcher: patterns written as plain torch functions, matched on Dynamo's graph.
+
+A `Rule` pairs a pattern function with a replacement function of the same arguments. The
+pattern is traced with `torch.fx.symbolic_trace`; matching walks it backwards from its
+output against a node of the captured torch-level graph, so the spellings Dynamo records
+and the spellings a model author writes meet in the middle:
+
+- one op, several spellings: `a @ b`, `torch.matmul(a, b)` and `a.matmul(b)` are one op;
+  `x.softmax(-1)` and `F.softmax(x, dim=-1)` too (`_OP_ALIASES`);
+- arguments are compared by parameter name with defaults filled in, so
+  `F.dropout(x, 0.1, True)` meets `F.dropout(x, p=0.1, training=True)`;
+- dimensions are compared negative (`transpose(2, 3)` of a 4-D tensor is `transpose(-2, -1)`):
+  patterns write them negative;
+- `*` and `+` match in either operand order;
+- target nodes that compute nothing (`contiguous()`, a cast to the dtype a tensor already
+  has, dropout with p=0 or not training) are stepped over;
+- pattern ops a rule lists as `optional` may be absent from the target (their scalar
+  arguments then bind to the rule's `absent` values, e.g. dropout p=0).
+
+A pattern argument named in `scalars` binds a Python number or a node; every other argument
+binds a node. A match whose inner values are also used outside it (attention weights returned
+to the caller, say) is refused: the rewrite would have to keep them anyway. A guard next to a
+rule may refuse a match with a reason (`Refusal` is falsy and says why when printed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["Match", "Refusal", "Rule", "RulePass", "call_leaf", "example_value", "insert_call", "propagate_meta"]
+
+log = logging.getLogger("fxmem.rules")
+
+
+def example_value(node: Any) -> Any:
+    """The fake tensor (or value) Dynamo recorded for `node`; literals are their own value."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+class Refusal:
+    """Why a rule did not fire. Falsy, so a guard's result reads as a condition."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"Refusal({self.reason!r})"
+
+    __str__ = __repr__
+
+
+@dataclass
+class Match:
+    """What a pattern bound: argument name -> node or number, and the target nodes it covers."""
+
+    bindings: dict[str, Any]
+    nodes: list[fx.Node]  # covered target nodes, the output last
+    optional_absent: set[str] = field(default_factory=set)
+    escaped: dict[str, fx.Node] = field(default_factory=dict)  # may_escape name -> target node used outside
+
+    @property
+    def output(self) -> fx.Node:
+        return self.nodes[-1]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.bindings[name]
+
+    def val(self, name: str) -> Any:
+        return example_value(self.bindings[name])
+
+
+Guard = Callable[[Match], "Refusal | None"]
+
+
+@dataclass
+class Rule:
+    """One pattern and its replacement. `optional` names pattern ops (by alias, e.g. "dropout")
+    that may be missing in the target; `absent` gives the scalars they would have bound."""
+
+    name: str
+    pattern: Callable[..., Any]
+    replacement: Callable[..., Any]
+    guard: Guard | None = None
+    scalars: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    absent: dict[str, Any] = field(default_factory=dict)
+    # Pattern nodes (by their traced names, e.g. "linear") whose values may also be used
+    # outside the match; the replacement then returns (output, new value for each, in order).
+    may_escape: tuple[str, ...] = ()
+    _graph: fx.Graph | None = field(default=None, init=False, repr=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        if self._graph is None:
+            self._graph = fx.symbolic_trace(self.pattern).graph
+        return self._graph
+
+    @property
+    def benefit(self) -> int:
+        return sum(n.op in ("call_function", "call_method") for n in self.graph.nodes)
+
+
+# --- canonical ops ------------------------------------------------------------------------
+
+_OP_ALIASES: dict[Any, str] = {
+    operator.matmul: "matmul",
+    torch.matmul: "matmul",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    torch.div: "div",
+    operator.add: "add",
+    torch.add: "add",
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    F.dropout: "dropout",
+    torch.where: "where",
+    torch.transpose: "transpose",
+    torch.masked_fill: "masked_fill",
+    F.linear: "linear",
+    torch._C._nn.linear: "linear",
+    F.cross_entropy: "cross_entropy",
+}
+_COMMUTATIVE = {"mul", "add"}
+_METHOD_SIGNATURES = {  # Tensor methods, by the parameter names of their functional forms
+    "transpose": ("dim0", "dim1"),
+    "softmax": ("dim", "dtype"),
+    "matmul": ("other",),
+    "mul": ("other",),
+    "div": ("other",),
+    "add": ("other",),
+    "masked_fill": ("mask", "value"),
+    "split": ("split_size", "dim"),
+}
+_FUNCTION_SIGNATURES = {  # for builtins without a Python signature
+    "matmul": ("input", "other"),
+    "mul": ("input", "other"),
+    "div": ("input", "other"),
+    "add": ("input", "other"),
+    "where": ("condition", "input", "other"),
+    "transpose": ("input", "dim0", "dim1"),
+    "masked_fill": ("input", "mask", "value"),
+    "linear": ("input", "weight", "bias"),
+}
+_DEFAULTS = {"linear": {"bias": None}, "softmax": {"dtype": None}}
+_DIM_ARGS = {"transpose": ("dim0", "dim1"), "softmax": ("dim",)}
+
+
+def op_key(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target if isinstance(node.target, str) else None
+    if node.op == "call_function":
+        return _OP_ALIASES.get(node.target, getattr(node.target, "__name__", None))
+    return None
+
+
+def canonical_args(node: fx.Node) -> dict[str, Any]:
+    """Arguments by parameter name (the first operand as "input"), defaults filled in."""
+    key = op_key(node)
+    args = node.args
+    if key in ("view", "reshape", "expand") and len(args) == 2 and isinstance(args[1], (tuple, list)):
+        args = (args[0], *args[1])  # x.view((a, b)) is x.view(a, b)
+    if node.op == "call_method":
+        names = ("input", *_METHOD_SIGNATURES.get(key, ()))
+    elif key in _FUNCTION_SIGNATURES:
+        names = _FUNCTION_SIGNATURES[key]
+    else:
+        names = None
+    if names is not None:
+        if len(args) > len(names):
+            names = (*names, *(f"arg{i}" for i in range(len(names), len(args))))
+        bound = dict(_DEFAULTS.get(key, {}))
+        bound.update(zip(names, args, strict=False))
+        bound.update(node.kwargs)
+    else:
+        try:
+            sig = inspect.signature(node.target)
+            ba = sig.bind(*node.args, **node.kwargs)
+            ba.apply_defaults()
+            bound = dict(ba.arguments)
+        except (TypeError, ValueError):
+            bound = {f"arg{i}": a for i, a in enumerate(node.args)} | dict(node.kwargs)
+    if key in _DIM_ARGS:
+        ndim = getattr(example_value(bound.get("input")), "ndim", None)
+        for name in _DIM_ARGS[key]:
+            d = bound.get(name)
+            if isinstance(d, int) and ndim is not None and d >= 0:
+                bound[name] = d - ndim
+    if key == "transpose" and isinstance(bound.get("dim0"), int) and isinstance(bound.get("dim1"), int):
+        bound["dim0"], bound["dim1"] = sorted((bound["dim0"], bound["dim1"]))
+    if key == "dropout":
+        bound.pop("inplace", None)
+    bound.pop("_stacklevel", None)
+    return bound
+
+
+def _is_identity(node: fx.Node) -> bool:
+    """A target node that returns its input's value unchanged."""
+    key = op_key(node)
+    if key == "contiguous":
+        return True
+    if key == "dropout":
+        a = canonical_args(node)
+        return a.get("p") == 0 or a.get("training") is False
+    if key in ("to", "float", "type"):
+        src, out = example_value(node.args[0]), example_value(node)
+        return (
+            isinstance(src, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and src.dtype == out.dtype
+            and src.device == out.device
+        )
+    return False
+
+
+def _same_literal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, (int, float)):
+        return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_literal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b if not isinstance(a, fx.Node) else False
+
+
+class _Matcher:
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self.bindings: dict[str, Any] = {}
+        self.covered: dict[fx.Node, None] = {}
+        self.matched: dict[str, fx.Node] = {}  # pattern node name -> target node
+        self.absent: set[str] = set()
+
+    def match_value(self, p: Any, t: Any) -> bool:
+        if isinstance(p, fx.Node):
+            return self.match_node(p, t)
+        if isinstance(p, (tuple, list)):
+            return (
+                isinstance(t, (tuple, list))
+                and len(p) == len(t)
+                and all(self.match_value(a, b) for a, b in zip(p, t, strict=True))
+            )
+        return _same_literal(p, t)
+
+    def match_node(self, p: fx.Node, t: Any) -> bool:
+        if p.op == "placeholder":
+            if not isinstance(t, fx.Node) and p.target not in self.rule.scalars:
+                return False
+            if p.target in self.bindings:
+                return self.bindings[p.target] is t or (
+                    not isinstance(t, fx.Node) and _same_literal(self.bindings[p.target], t)
+                )
+            self.bindings[p.target] = t
+            return True
+        if p.op == "get_attr" or not isinstance(t, fx.Node):
+            return False
+        pkey = op_key(p)
+        while op_key(t) != pkey and _is_identity(t):
+            self.covered[t] = None
+            t = t.args[0]
+        if op_key(t) != pkey:
+            if pkey in self.rule.optional:
+                self._bind_absent(p)
+                return self.match_node(p.args[0], t)
+            return False
+        pa, ta = canonical_args(p), canonical_args(t)
+        if set(pa) != set(ta):
+            return False
+        snapshot = (dict(self.bindings), dict(self.covered))
+        candidates = [ta]
+        if pkey in _COMMUTATIVE:
+            candidates.append(dict(ta, input=ta["other"], other=ta["input"]))
+        for args in candidates:
+            self.bindings, self.covered = dict(snapshot[0]), dict(snapshot[1])
+            if all(self.match_value(pa[k], args[k]) for k in pa):
+                self.covered[t] = None
+                self.matched[p.name] = t
+                return True
+        self.bindings, self.covered = snapshot
+        return False
+
+    def _bind_absent(self, p: fx.Node) -> None:
+        self.absent.add(op_key(p) or "")
+        for a in (*p.args[1:], *p.kwargs.values()):
+            if isinstance(a, fx.Node) and a.op == "placeholder":
+                self.bindings.setdefault(a.target, self.rule.absent.get(a.target))
+
+
+def _escapes(covered: list[fx.Node], output: fx.Node) -> list[fx.Node]:
+    inside = set(covered)
+    return [n for n in covered if n is not output and any(u not in inside for u in n.users)]
+
+
+def match(rule: Rule, node: fx.Node) -> Match | Refusal | None:
+    """Match `rule` with its output at `node`: a Match, a Refusal saying why not, or None."""
+    pattern_out = next(n for n in rule.graph.nodes if n.op == "output").args[0]
+    m = _Matcher(rule)
+    if not m.match_node(pattern_out, node):
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    covered = sorted(m.covered, key=order.__getitem__)
+    allowed = {m.matched[name]: name for name in rule.may_escape if name in m.matched}
+    escaped = {}
+    for leak in _escapes(covered, node):
+        if leak not in allowed:
+            return Refusal(f"{leak.name} is also used outside the matched {rule.name}")
+        if any(order[u] < order[node] for u in leak.users if u not in m.covered):
+            return Refusal(f"{leak.name} is used outside the match before its end")
+        escaped[allowed[leak]] = leak
+    found = Match(bindings=m.bindings, nodes=covered, optional_absent=m.absent, escaped=escaped)
+    if rule.guard is not None:
+        verdict = rule.guard(found)
+        if verdict is not None and not verdict:
+            return verdict
+    return found
+
+
+# --- rewriting ----------------------------------------------------------------------------
+
+
+def _fake_mode(graph: fx.Graph):
+    for n in graph.nodes:
+        v = example_value(n)
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    return None
+
+
+def propagate_meta(node: fx.Node, like: fx.Node | None = None) -> None:
+    """Give a new node an example value (run under the graph's fake mode) and `like`'s source."""
+    if like is not None:
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    if node.op not in ("call_function", "call_method"):
+        return
+    fake_mode = _fake_mode(node.graph)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
+    if fake_mode is None:
+        return
+    with fake_mode:
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            value = node.target(*args, **kwargs)
+    node.meta["example_value"] = value
+
+
+def insert_call(fn: Callable[..., Any], kwargs: dict[str, Any], before: fx.Node, like: fx.Node) -> Any:
+    """Run `fn(**kwargs)` with proxies for the node arguments, recording its ops into
+    `before`'s graph just before it; returns its result as node(s). Number arguments stay
+    numbers, so a replacement may branch on them (never on a node's value)."""
+    graph = before.graph
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    existing = set(graph.nodes)
+    wrapped = {k: _wrap(v, tracer) for k, v in kwargs.items()}
+    with graph.inserting_before(before):
+        result = fn(**wrapped)
+    for n in graph.nodes:
+        if n not in existing:
+            propagate_meta(n, like)
+    return _unwrap(result)
+
+
+def call_leaf(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Inside a replacement: record `fn(...)` as one graph node instead of tracing into it
+    (for functions that proxies cannot run, such as `autograd.Function.apply`)."""
+    proxies = [a for a in (*args, *kwargs.values()) if isinstance(a, fx.Proxy)]
+    if not proxies:
+        return fn(*args, **kwargs)
+    return proxies[0].tracer.create_proxy("call_function", fn, args, kwargs)
+
+
+def _wrap(value: Any, tracer: fx.Tracer) -> Any:
+    if isinstance(value, fx.Node):
+        return fx.Proxy(value, tracer)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_wrap(v, tracer) for v in value)
+    return value
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, fx.Proxy):
+        return value.node
+    if isinstance(value, (tuple, list)):
+        return type(value)(_unwrap(v) for v in value)
+    return value
+
+
+def replacement_kwargs(fn: Callable[..., Any], bindings: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters
+    missing = [p for p in params if p not in bindings and params[p].default is inspect.Parameter.empty]
+    if missing:
+        raise KeyError(f"replacement {fn.__name__} needs {missing}, which the match did not bind")
+    return {p: bindings[p] for p in params if p in bindings}
+
+
+class RulePass:
+    """Apply a list of rules over a graph until none fires; counts firings."""
+
+    def __init__(self, name: str, rules: Sequence[Rule]):
+        self.name = name
+        self.rules = sorted(rules, key=lambda r: -r.benefit)
+        self.refusals: list[tuple[str, str, str]] = []  # (rule, node, reason)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
+        fired = 0
+        for node in reversed(list(gm.graph.nodes)):
+            if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
+                continue
+            for rule in self.rules:
+                found = match(rule, node)
+                if found is None:
+                    continue
+                if not found:
+                    self.refusals.append((rule.name, node.name, found.reason))
+                    log.debug("%s: %s refused at %s: %s", self.name, rule.name, node.name, found.reason)
+                    continue
+                self.apply(found, rule)
+                fired += 1
+                break
+        if fired:
+            gm.graph.lint()
+            gm.recompile()
+        return gm, fired
+
+    @staticmethod
+    def apply(found: Match, rule: Rule) -> None:
+        out = found.output
+        kwargs = replacement_kwargs(rule.replacement, found.bindings)
+        new = insert_call(rule.replacement, kwargs, before=out, like=out)
+        if rule.may_escape:
+            new, *values = new  # (output, escaped values...)
+            for name, value in zip(rule.may_escape, values, strict=False):
+                if name in found.escaped:
+                    found.escaped[name].replace_all_uses_with(value)
+        out.replace_all_uses_with(new)
+        inputs = [b for b in found.bindings.values() if isinstance(b, fx.Node)]
+        erase_unused([*reversed(found.nodes), *inputs])
+
+
+def _pure(node: fx.Node) -> bool:
+    if node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return not name.endswith("_") and op_key(node) != "dropout" and not node.is_impure()
+
+
+def erase_unused(nodes: Sequence[fx.Node]) -> None:
+    """Erase these nodes, and what only they used, once nothing uses them (pure ops only)."""
+    work = list(nodes)
+    while work:
+        n = work.pop(0)
+        if getattr(n, "_erased", False) or n.users or not _pure(n):
+            continue
+        inputs = [a for a in n.all_input_nodes]
+        n.graph.erase_node(n)
+        work.extend(inputs)

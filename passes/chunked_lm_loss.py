@@ -1,0 +1,200 @@
+"""chunked_lm_loss: the LM head and cross-entropy run over chunks of rows.
+
+Before (nanoGPT; HF `*ForCausalLM` with `ForCausalLMLoss`)::
+
+    logits = F.linear(h, w_vocab)                                    # (B, T, V)
+    loss = F.cross_entropy(logits.float().view(-1, V), y.view(-1), ignore_index=-100)
+
+After::
+
+    loss = chunked_cross_entropy(h, w_vocab, None, y, ignore_index=-100, reduction="mean", rows=...)
+
+Each chunk of rows forms its logits, its log-sum-exp, its loss and — in the forward, at once —
+its gradient with respect to `h` and `w_vocab` (softmax minus one-hot, times the chunk's
+inputs), so neither the (B*T, V) logits nor their log-softmax nor their gradient is ever
+whole in memory; the backward only scales the gradients it was handed by the loss's
+gradient. The planner sees the chunk loop as ordinary ops and may recompute it instead of
+keeping the gradients. When the logits are also returned (HF models return them beside the
+loss), they are computed once, the loss is formed chunk by chunk from them, and the backward
+works chunk by chunk too, adding whatever gradient the caller sends into the logits.
+
+Exact: the same log-sum-exp and picked logit per row, summed in chunks, to float rounding;
+`ignore_index` rows count neither in the sum nor in the mean's denominator. Fires when the
+vocabulary is at least `_MIN_VOCAB_RATIO` times the hidden size (below that the logits are no
+larger than the activations around them). Runs last: it reads the head the other passes leave.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
+
+__all__ = ["chunked_cross_entropy", "chunked_lm_loss"]
+
+_MIN_VOCAB_RATIO = 4
+_MAX_CHUNKS = 32
+_SCALARS = ("b", "rows", "vocab", "weight", "ignore_index", "reduction", "label_smoothing")
+
+
+# 1: nanoGPT / HF ForCausalLMLoss — linear head, optional fp32 upcast, flatten, cross-entropy.
+def pattern_1(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing):
+    logits = F.linear(h, w, b).float().view(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+# 2: as 1, flattened with reshape.
+def pattern_2(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing):
+    logits = F.linear(h, w, b).float().reshape(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+def replacement(h, w, b, y, ignore_index, reduction, chunk_rows, return_logits):
+    out = call_leaf(chunked_cross_entropy, h, w, b, y, ignore_index, reduction, chunk_rows, return_logits)
+    return (out[0], out[1]) if return_logits else (out,)
+
+
+def guard(m: Match) -> Refusal | None:
+    h, w, y = m.val("h"), m.val("w"), m.val("y")
+    if m.bindings["weight"] is not None or m.bindings["label_smoothing"] != 0.0:
+        return Refusal("class weights or label smoothing")
+    if m.bindings["reduction"] not in ("mean", "sum"):
+        return Refusal(f"reduction={m.bindings['reduction']!r} keeps per-row losses")
+    if not isinstance(w, torch.Tensor) or w.ndim != 2 or m.bindings["vocab"] not in (w.shape[0], -1):
+        return Refusal("the head's weight is not (V, H) with V the flattened width")
+    if not isinstance(y, torch.Tensor) or y.dtype not in (torch.int64, torch.int32) or y.ndim != 1:
+        return Refusal("targets are not class indices flattened to one dimension")
+    vocab, hidden = w.shape
+    if vocab < _MIN_VOCAB_RATIO * hidden:
+        return Refusal(f"vocabulary {vocab} is under {_MIN_VOCAB_RATIO}x the hidden size {hidden}")
+    n = y.shape[0]
+    if h.numel() != n * hidden:
+        return Refusal("the head's input rows do not match the targets")
+    chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), n)
+    m.bindings["chunk_rows"] = math.ceil(n / chunks)
+    m.bindings["return_logits"] = "linear" in m.escaped
+    return None
+
+
+# --- the chunked computation -------------------------------------------------------------------
+
+
+def _chunk_grad(logits, lse, y, valid):
+    """d(sum of row losses)/d(logits) for one chunk: softmax - one-hot, zero on ignored rows."""
+    grad = torch.exp(logits - lse[:, None])
+    picked = torch.zeros_like(grad).scatter_(1, y[:, None], 1.0)
+    return (grad - picked) * valid[:, None]
+
+
+def _chunk_loss(logits, y, valid):
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, y[:, None]).squeeze(1)
+    return ((lse - picked) * valid).sum(), lse
+
+
+class _LossAndGrads(torch.autograd.Function):
+    """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+        hidden = w.shape[1]
+        h2 = h.reshape(-1, hidden)
+        total = h2.new_zeros((), dtype=torch.float32)
+        dh_parts, dw, db = [], None, None
+        for start in range(0, h2.shape[0], chunk_rows):
+            hc, yc, vc = (
+                h2[start : start + chunk_rows],
+                y[start : start + chunk_rows],
+                valid[start : start + chunk_rows],
+            )
+            logits = F.linear(hc, w, b).float()  # (rows, V)
+            loss, lse = _chunk_loss(logits, yc, vc)
+            total = total + loss
+            grad = _chunk_grad(logits, lse, yc, vc).to(w.dtype)
+            dh_parts.append(grad @ w)
+            dw = grad.t() @ hc if dw is None else dw + grad.t() @ hc
+            if b is not None:
+                db = grad.sum(0) if db is None else db + grad.sum(0)
+        dh = torch.cat(dh_parts).view(h.shape)
+        ctx.save_for_backward(dh, dw, *(() if db is None else (db,)), denominator)
+        ctx.has_bias = b is not None
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = ctx.saved_tensors
+        dh, dw, denominator = saved[0], saved[1], saved[-1]
+        scale = grad_loss / denominator
+        db = saved[2] * scale.to(saved[2].dtype) if ctx.has_bias else None
+        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None
+
+
+class _LossAndLogits(torch.autograd.Function):
+    """Loss and the full logits as outputs; the backward works chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+        logits = F.linear(h, w, b)
+        flat = logits.view(-1, w.shape[0])
+        total = flat.new_zeros((), dtype=torch.float32)
+        lses = []
+        for start in range(0, flat.shape[0], chunk_rows):
+            end = start + chunk_rows
+            loss, lse = _chunk_loss(flat[start:end].float(), y[start:end], valid[start:end])
+            total = total + loss
+            lses.append(lse)
+        ctx.save_for_backward(h, w, logits, torch.cat(lses), y, valid, denominator)
+        ctx.chunk_rows, ctx.has_bias = chunk_rows, b is not None
+        return total / denominator, logits
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logits):
+        h, w, logits, lse, y, valid, denominator = ctx.saved_tensors
+        hidden, rows = w.shape[1], ctx.chunk_rows
+        h2, flat = h.reshape(-1, hidden), logits.view(-1, w.shape[0])
+        g_flat = None if grad_logits is None else grad_logits.reshape(flat.shape)
+        scale = grad_loss / denominator
+        dh_parts, dw, db = [], None, None
+        for start in range(0, flat.shape[0], rows):
+            end = start + rows
+            grad = _chunk_grad(flat[start:end].float(), lse[start:end], y[start:end], valid[start:end]) * scale
+            if g_flat is not None:
+                grad = grad + g_flat[start:end].float()
+            grad = grad.to(w.dtype)
+            dh_parts.append(grad @ w)
+            dw = grad.t() @ h2[start:end] if dw is None else dw + grad.t() @ h2[start:end]
+            if ctx.has_bias:
+                db = grad.sum(0) if db is None else db + grad.sum(0)
+        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None
+
+
+def chunked_cross_entropy(h, w, b, y, ignore_index=-100, reduction="mean", chunk_rows=1024, return_logits=False):
+    """`F.cross_entropy(F.linear(h, w, b).float().view(-1, V), y, ...)` by chunks of `chunk_rows` rows."""
+    y = y.reshape(-1)
+    valid = y != ignore_index
+    safe_y = torch.where(valid, y, 0)
+    valid_f = valid.float()
+    denominator = valid_f.sum() if reduction == "mean" else torch.ones((), device=y.device)
+    if return_logits:
+        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+    if not torch.is_grad_enabled():  # no backward to prepare for
+        h2 = h.reshape(-1, w.shape[1])
+        total = sum(
+            _chunk_loss(
+                F.linear(h2[s : s + chunk_rows], w, b).float(), safe_y[s : s + chunk_rows], valid_f[s : s + chunk_rows]
+            )[0]
+            for s in range(0, h2.shape[0], chunk_rows)
+        )
+        return total / denominator
+    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+
+
+_RULES = [
+    Rule(f"lm_loss_{i}", pat, replacement, guard=guard, scalars=_SCALARS, optional=("float",), may_escape=("linear",))
+    for i, pat in enumerate([pattern_1, pattern_2], start=1)
+]
+
+chunked_lm_loss = RulePass("chunked_lm_loss", _RULES)

@@ -1,0 +1,237 @@
+"""swap_sdpa: hand-written attention becomes `F.scaled_dot_product_attention`.
+
+Before (nanoGPT)::
+
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))   # (B, nh, T, T)
+    att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+    att = self.attn_dropout(F.softmax(att, dim=-1))
+    y = att @ v                                                        # (B, nh, T, hs)
+
+After::
+
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, :, :T, :T] != 0,
+                                       dropout_p=p if training else 0.0, scale=...)
+
+The fused kernels keep no (B, nh, T, T) weights for the backward — only a (B, nh, T)
+log-sum-exp — which is most of the activation memory of attention at long sequence lengths.
+Runs first among the passes: the rules below read the graph as the model author wrote it.
+
+Exact: the same scores, mask, softmax and weighted sum, to float rounding. Masks keep their
+meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a finite fill
+(`finfo.min`) an additive one, and additive masks pass through. GQA's `repeat_kv` is undone and
+`enable_gqa=True` set, so the repeated keys and values are not materialised. With dropout the
+kernel draws its own mask (the same distribution, not eager's draw); the planner never
+recomputes random ops, so the backward sees the forward's mask. Does not fire when the weights
+escape (`output_attentions=True`): they would have to be materialised anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxmem.rules import Match, Refusal, Rule, RulePass, example_value, op_key
+
+__all__ = ["swap_sdpa"]
+
+_SCALARS = ("scale", "fill", "softmax_dtype", "p", "training", "dtype")
+_OPTIONAL = ("dropout", "to")
+_ABSENT = {"p": 0.0, "training": False, "dtype": None}
+
+
+# 1: nanoGPT — scale by multiply, masked_fill with -inf, softmax, dropout.
+def pattern_1(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
+    att = (q @ k.transpose(-2, -1)) * scale
+    att = att.masked_fill(mask, fill)
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return F.dropout(att, p=p, training=training) @ v
+
+
+def replacement_1(q, k, v, scale, mask, fill, p, training, gqa):
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa)
+
+
+# 2: as 1 with the scale divided in (`att / math.sqrt(hs)`, GPT-2 research code).
+def pattern_2(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
+    att = (q @ k.transpose(-2, -1)) / scale
+    att = att.masked_fill(mask, fill)
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return F.dropout(att, p=p, training=training) @ v
+
+
+def replacement_2(q, k, v, scale, mask, fill, p, training, gqa):
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa)
+
+
+# 3: HF Llama / GPT-2 / BERT eager — scale by multiply, additive 4-D mask, softmax in fp32 cast back.
+def pattern_3(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
+    att = torch.matmul(q, k.transpose(-2, -1)) * scale + mask
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_3(q, k, v, scale, mask, p, training, gqa):
+    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa)
+
+
+# 4: as 3 with the scale divided in (older HF BERT: `scores / math.sqrt(head_size) + mask`).
+def pattern_4(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
+    att = torch.matmul(q, k.transpose(-2, -1)) / scale + mask
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_4(q, k, v, scale, mask, p, training, gqa):
+    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa)
+
+
+# 5: `torch.where(causal, scores, min)` (HF GPT-2 before the 4-D masks, GPT-J, CodeGen).
+def pattern_5(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
+    att = torch.where(mask, torch.matmul(q, k.transpose(-2, -1)) * scale, fill)
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_5(q, k, v, scale, mask, fill, p, training, gqa):
+    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa)
+
+
+# 6: no mask (HF BERT eager without padding, ViT, encoder blocks).
+def pattern_6(q, k, v, scale, softmax_dtype, dtype, p, training):
+    att = torch.matmul(q, k.transpose(-2, -1)) * scale
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_6(q, k, v, scale, p, training, gqa):
+    return _sdpa(q, k, v, None, _inverse(scale, False), p, training, gqa)
+
+
+# 7: as 6 with the scale divided in.
+def pattern_7(q, k, v, scale, softmax_dtype, dtype, p, training):
+    att = torch.matmul(q, k.transpose(-2, -1)) / scale
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_7(q, k, v, scale, p, training, gqa):
+    return _sdpa(q, k, v, None, _inverse(scale, True), p, training, gqa)
+
+
+# --- replacement helpers (run with proxies: they branch on numbers, never on tensors) ----------
+
+
+def _sdpa(q, k, v, mask, scale, p, training, gqa):
+    if gqa is not None:
+        k, v = gqa
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=float(p) if training else 0.0, scale=scale, enable_gqa=gqa is not None
+    )
+
+
+def _inverse(scale, divided: bool) -> float:
+    return 1.0 / scale if divided else scale
+
+
+def _not_masked(mask, fill):
+    """masked_fill(mask, fill) as an SDPA mask: -inf drops, a finite fill adds itself."""
+    if fill == float("-inf"):
+        return torch.logical_not(mask)
+    return torch.where(mask, fill, 0.0)
+
+
+def _attend(mask, fill):
+    """where(mask, scores, fill) as an SDPA mask."""
+    if fill == float("-inf"):
+        return mask
+    return torch.where(mask, 0.0, fill)
+
+
+# --- the guard shared by every rule -------------------------------------------------------------
+
+
+def _scalar(value):
+    """A number, or a 0-d `torch.full`/`torch.tensor` node of a number (HF's mask and scale values)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, fx.Node) and value.op == "call_function":
+        if value.target is torch.full and tuple(value.args[0]) == () and isinstance(value.args[1], (int, float)):
+            return float(value.args[1])
+        if value.target is torch.tensor and isinstance(value.args[0], (int, float)):
+            return float(value.args[0])
+    return None
+
+
+def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
+    """HF's repeat_kv: x[:, :, None, :, :].expand(b, h_kv, n, t, d).reshape(b, h_kv * n, t, d) -> (x, n)."""
+    if op_key(kv) != "reshape" or len(kv.users) != 1:
+        return None
+    expand = kv.args[0]
+    if not isinstance(expand, fx.Node) or op_key(expand) != "expand" or len(expand.users) != 1:
+        return None
+    index = expand.args[0]
+    if not isinstance(index, fx.Node) or op_key(index) != "getitem" or len(index.users) != 1:
+        return None
+    base, key = index.args
+    if not (isinstance(key, tuple) and len(key) == 5 and key[2] is None):
+        return None
+    if any(k != slice(None) for i, k in enumerate(key) if i != 2):
+        return None
+    b, h_kv = example_value(base).shape[:2]
+    return base, example_value(kv).shape[1] // h_kv
+
+
+def guard(m: Match) -> Refusal | None:
+    q, k, v = m.val("q"), m.val("k"), m.val("v")
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v)):
+        return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        return Refusal(f"q/k/v dtypes differ or are not floating: {q.dtype}, {k.dtype}, {v.dtype}")
+    softmax_dtype, out_dtype = m.bindings.get("softmax_dtype"), m.bindings.get("dtype")
+    if softmax_dtype not in (None, torch.float32) or out_dtype not in (None, q.dtype):
+        return Refusal(f"softmax in {softmax_dtype} cast to {out_dtype}: not attention in {q.dtype}")
+    if softmax_dtype == torch.float32 and out_dtype is None and q.dtype != torch.float32:
+        return Refusal("the fp32 softmax is not cast back: the weights stay fp32")
+    scale = _scalar(m.bindings["scale"])
+    if scale is None or scale == 0:
+        return Refusal(f"the scale is not a constant number ({m.bindings['scale']})")
+    m.bindings["scale"] = scale
+    if "fill" in m.bindings:
+        fill = _scalar(m.bindings["fill"])
+        if fill is None:
+            return Refusal("the mask fill value is not a constant number")
+        m.bindings["fill"] = fill
+    mask = m.val("mask") if "mask" in m.bindings else None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            return Refusal("the mask is not a tensor")
+        wants_bool = "fill" in m.bindings
+        if wants_bool != (mask.dtype == torch.bool):
+            return Refusal(f"mask dtype {mask.dtype} does not suit this rule")
+        if not wants_bool and mask.dtype != q.dtype:
+            return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
+    m.bindings["gqa"] = None
+    ks, vs = _unrepeat(m.bindings["k"]), _unrepeat(m.bindings["v"])
+    if ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1:
+        m.bindings["gqa"] = (ks[0], vs[0])
+    return None
+
+
+_RULES = [
+    Rule(f"attention_{i}", pat, rep, guard=guard, scalars=_SCALARS, optional=_OPTIONAL, absent=_ABSENT)
+    for i, (pat, rep) in enumerate(
+        [
+            (pattern_1, replacement_1),
+            (pattern_2, replacement_2),
+            (pattern_3, replacement_3),
+            (pattern_4, replacement_4),
+            (pattern_5, replacement_5),
+            (pattern_6, replacement_6),
+            (pattern_7, replacement_7),
+        ],
+        start=1,
+    )
+]
+
+swap_sdpa = RulePass("swap_sdpa", _RULES)
