@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch.nn as nn
 
 from fxmem.backend import COMPILERS, Options, fxmem_backend
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb
+from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
 
 __all__ = ["FxmemModule", "optimize"]
@@ -24,7 +27,10 @@ def optimize(
     optimizer: torch.optim.Optimizer | None = None,
     compiler: str = "inductor",
     passes: Sequence[str] | None = None,
+    precision: str = "fp32",
+    tie_weights: bool | Sequence[tuple[str, str]] = False,
     margin: float = 0.03,
+    plan: str | os.PathLike | Plan | None = None,
 ) -> FxmemModule:
     """Return `model` planned so that one training step peaks at most `budget_gb` GiB.
 
@@ -40,6 +46,20 @@ def optimize(
     runs, naming the smallest budget that fits; the model is left as it was.
 
     `compiler` is "inductor" (default) or "eager" (no code generation, for debugging).
+
+    `passes` names the rewrite passes to run (default: the exact ones, `swap_sdpa`,
+    `fuse_projections`, `chunked_lm_loss`; `()` runs none). `precision="bf16"` also runs
+    `bf16_regions`: autocast's bf16 policy over the step, fp32 master weights — numerics
+    change, so it is opt-in.
+
+    `tie_weights=True` ties parameters with equal shapes and values into one tensor (a tied
+    checkpoint loaded untied); a list of `(keep, replace)` name pairs ties those. Numerics of
+    training change, so it is opt-in; `plan.tie_candidates` lists what could be tied and
+    `plan.tied_weights` what is one tensor. Build the optimizer after tying.
+
+    `plan`, a saved `plan.json` (or the folder `Plan.save` wrote), applies that plan's
+    decisions instead of planning again; `fxmem.PlanMismatchError` is raised, naming the
+    first difference, if it was made for another graph (other model, shapes or dtypes).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -47,11 +67,24 @@ def optimize(
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
     options = Options.from_dict(
-        {"budget_gb": budget_gb, "compiler": compiler, "optimizer": optimizer, "passes": passes, "margin": margin}
+        {
+            "budget_gb": budget_gb,
+            "compiler": compiler,
+            "optimizer": optimizer,
+            "passes": passes,
+            "precision": precision,
+            "margin": margin,
+            "plan": plan,
+        }
     )
-    wrapped = FxmemModule(model, options)
-    if example_inputs is not None:
-        wrapped.plan_for(example_inputs)
+    undo = tie_weights_pass.tie(model, tie_weights)
+    try:
+        wrapped = FxmemModule(model, options, ties=len(undo), weights=tie_weights_pass.detect(model))
+        if example_inputs is not None:
+            wrapped.plan_for(example_inputs)
+    except BaseException:
+        tie_weights_pass.untie(undo)
+        raise
     return wrapped
 
 
@@ -62,20 +95,38 @@ class FxmemModule(nn.Module):
     parameters, buffers, `state_dict()` keys and modes are the original's own.
     """
 
-    def __init__(self, model: nn.Module, options: Options):
+    def __init__(
+        self, model: nn.Module, options: Options, ties: int = 0, weights: tie_weights_pass.TieReport | None = None
+    ):
         super().__init__()
         self.__dict__["_fxmem_model"] = model
         self.__dict__["_fxmem_plans"] = []
-        options.on_plan = self._fxmem_plans.append
+        self.__dict__["_fxmem_ties"] = ties
+        self.__dict__["_fxmem_weights"] = weights or tie_weights_pass.detect(model)
+        options.on_plan = self._record_plan
         self.__dict__["_fxmem_options"] = options
 
+        # torch keeps every backend it compiled with until torch._dynamo.reset(): held weakly,
+        # the options (and through them this module and the model) go when the user drops them.
+        options_ref = weakref.ref(options)
+
         def backend(gm, example_inputs, **_):
-            return fxmem_backend(gm, example_inputs, options=options)
+            opts = options_ref()
+            if opts is None:  # only this module compiles with it, and it holds the options
+                raise RuntimeError("fxmem: the optimized module was freed during compilation")
+            return fxmem_backend(gm, example_inputs, options=opts)
 
         self.__dict__["_fxmem_compiled"] = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         self.training = model.training
 
     # -- the plan ---------------------------------------------------------------------------
+    def _record_plan(self, plan: Plan) -> None:
+        report = self._fxmem_weights  # found at optimize(): planning runs under fake tensors
+        plan.tied_weights, plan.tie_candidates = report.shared, report.candidates
+        if self._fxmem_ties:
+            plan.rewrites["tie_weights"] = self._fxmem_ties
+        self._fxmem_plans.append(plan)
+
     @property
     def plan(self) -> Plan | None:
         """The plan made for the most recent input shape (None before the first call)."""
@@ -172,7 +223,14 @@ class FxmemModule(nn.Module):
 
     def _copy_kwargs(self) -> dict[str, Any]:
         o = self._fxmem_options
-        return {"budget_gb": o.budget_gb, "compiler": o.compiler, "passes": o.passes, "margin": o.margin}
+        return {
+            "budget_gb": o.budget_gb,
+            "compiler": o.compiler,
+            "passes": o.passes,
+            "precision": o.precision,
+            "margin": o.margin,
+            "plan": o.plan,
+        }
 
     def extra_repr(self) -> str:
         o = self._fxmem_options

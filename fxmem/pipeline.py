@@ -11,11 +11,12 @@ from typing import Any
 
 import torch.fx as fx
 
+from fxmem.passes.bf16_regions import bf16_regions
 from fxmem.passes.chunked_lm_loss import chunked_lm_loss
 from fxmem.passes.fuse_projections import fuse_projections
 from fxmem.passes.swap_sdpa import swap_sdpa
 
-__all__ = ["PASSES", "run_passes"]
+__all__ = ["PASSES", "default_passes", "run_passes"]
 
 PassFn = Callable[[fx.GraphModule, Sequence[Any]], tuple[fx.GraphModule, int]]
 
@@ -27,7 +28,14 @@ PASSES: dict[str, tuple[PassFn, bool]] = {
     "fuse_projections": (fuse_projections, True),
     # Last: reads the LM head as the passes before it leave it.
     "chunked_lm_loss": (chunked_lm_loss, True),
+    # Last: wraps what the other passes leave in one autocast region (opt-in: precision="bf16").
+    "bf16_regions": (bf16_regions, False),
 }
+
+
+def default_passes() -> list[str]:
+    """The exact passes, which run unless `passes=` names others."""
+    return [n for n, (_, exact) in PASSES.items() if exact]
 
 
 def run_passes(
@@ -35,7 +43,7 @@ def run_passes(
 ) -> tuple[fx.GraphModule, dict[str, int]]:
     """Run the named passes (None: every exact pass) in pipeline order."""
     if names is None:
-        selected = [n for n, (_, exact) in PASSES.items() if exact]
+        selected = default_passes()
     else:
         unknown = sorted(set(names) - set(PASSES))
         if unknown:

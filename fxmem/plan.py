@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Decision", "Plan", "format_bytes"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
+_READABLE_VERSIONS = (1, 2)  # version 1 lacks timeline, graph, fingerprint and saved_nodes
 
 
 def format_bytes(n: float) -> str:
@@ -46,6 +48,21 @@ class Plan:
     compiler: str = "inductor"
     device: str = "cpu"
     graph_nodes: int = 0
+    # Version 2. `timeline`: the predicted step, step by step ({"steps": [[node, phase]],
+    # "static": {category: bytes}, "storages": [[id, node, category]], "events": [[step, id,
+    # +/-bytes]]}, see `plan_record`); `graph`: the joint graph ({"nodes": [[name, op, phase,
+    # type, [input indices], module, source]]}); `fingerprint`: what a saved plan must match to
+    # be applied; `saved_nodes`: the forward values kept for the backward; `measured`: a
+    # measured run of the planned step, when one was attached ({"peak_bytes", "curve"}).
+    timeline: dict = field(default_factory=dict, repr=False)
+    graph: dict = field(default_factory=dict, repr=False)
+    fingerprint: dict = field(default_factory=dict)
+    saved_nodes: list[str] = field(default_factory=list, repr=False)
+    measured: dict = field(default_factory=dict, repr=False)
+    # Parameter names that are one tensor (counted once), and groups of separate parameters
+    # with equal shapes and values that `tie_weights=True` would tie.
+    tied_weights: list[list[str]] = field(default_factory=list)
+    tie_candidates: list[list[str]] = field(default_factory=list)
 
     @property
     def saved(self) -> list[Decision]:
@@ -59,6 +76,17 @@ class Plan:
         out = asdict(self)
         out["schema_version"] = SCHEMA_VERSION
         return out
+
+    def to_json(self) -> str:
+        """plan.json's text: indented, with the long per-node records one line each."""
+        parts = []
+        for key, value in self.to_dict().items():
+            if key in _COMPACT_KEYS:
+                text = json.dumps(value, separators=(",", ":"))
+            else:
+                text = json.dumps(value, indent=1).replace("\n", "\n ")
+            parts.append(f" {json.dumps(key)}: {text}")
+        return "{\n" + ",\n".join(parts) + "\n}\n"
 
     def summary(self, top: int = 10) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
@@ -87,12 +115,21 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
-    def save(self, directory: str | os.PathLike) -> str:
-        """Write `plan.json` into `directory` (created if needed); returns its path."""
+    def save(self, directory: str | os.PathLike, files: bool = True) -> str:
+        """Write `plan.json` into `directory` (created if needed); returns its path.
+
+        With `files` (the default) also `timeline.png`, `graph.dot` (and `graph.svg` when
+        Graphviz is installed) and `memory_snapshot.pickle`, which PyTorch's memory viewer
+        (https://pytorch.org/memory_viz) opens; see `fxmem.plan_files`.
+        """
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(os.fspath(directory), "plan.json")
         with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
+            f.write(self.to_json())
+        if files:
+            from fxmem.plan_files import write_plan_files
+
+            write_plan_files(self, directory)
         return path
 
     @classmethod
@@ -100,7 +137,7 @@ class Plan:
         with open(path) as f:
             data = json.load(f)
         version = data.pop("schema_version", None)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"{path}: plan schema version {version}, this fxmem reads {SCHEMA_VERSION}")
+        if version not in _READABLE_VERSIONS:
+            raise ValueError(f"{path}: plan schema version {version}, this fxmem reads {_READABLE_VERSIONS}")
         data["decisions"] = [Decision(**d) for d in data["decisions"]]
         return cls(**data)

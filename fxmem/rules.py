@@ -451,7 +451,9 @@ class RulePass:
                     found.escaped[name].replace_all_uses_with(value)
         out.replace_all_uses_with(new)
         inputs = [b for b in found.bindings.values() if isinstance(b, fx.Node)]
-        erase_unused([*reversed(found.nodes), *inputs])
+        # The covered nodes are replaced, random ones included: a dropout the replacement draws
+        # itself (SDPA's dropout_p) must go, or it keeps the weights it drops computed.
+        erase_unused([*reversed(found.nodes), *inputs], replaced=set(found.nodes))
 
 
 def _pure(node: fx.Node) -> bool:
@@ -461,12 +463,13 @@ def _pure(node: fx.Node) -> bool:
     return not name.endswith("_") and op_key(node) != "dropout" and not node.is_impure()
 
 
-def erase_unused(nodes: Sequence[fx.Node]) -> None:
-    """Erase these nodes, and what only they used, once nothing uses them (pure ops only)."""
+def erase_unused(nodes: Sequence[fx.Node], replaced: set[fx.Node] = frozenset()) -> None:
+    """Erase these nodes, and what only they used, once nothing uses them (pure ops only, and
+    the `replaced` nodes of a match, which its replacement computes instead)."""
     work = list(nodes)
     while work:
         n = work.pop(0)
-        if getattr(n, "_erased", False) or n.users or not _pure(n):
+        if getattr(n, "_erased", False) or n.users or not (n in replaced or _pure(n)):
             continue
         inputs = [a for a in n.all_input_nodes]
         n.graph.erase_node(n)

@@ -1,0 +1,109 @@
+"""bf16_regions: the step runs under autocast's bf16 policy; the outputs keep their dtypes.
+
+Opt-in (`precision="bf16"`): it changes numerics. Before::
+
+    def forward(idx, targets):          # every op in fp32
+        ...
+        return loss, logits
+
+After::
+
+    def forward(idx, targets):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            ...                          # matmul / linear / conv / attention in bf16,
+                                         # softmax / norms / losses / reductions in fp32
+        return loss, logits.to(torch.float32)
+
+The parameters stay fp32 (master weights: the optimizer updates fp32 values, the graph casts
+them on use) and autocast's op lists decide the precision of every op, so the region keeps
+fp32 exactly where torch's own mixed precision does. AOTAutograd traces the region and the
+backward mirrors it; the planner then counts the bf16 activations the backward keeps at half
+size. Outputs that came out in a lower precision are cast back to the dtype the model
+returned, so callers see the same types. Runs last: it wraps the graph the other passes leave.
+
+Tolerance: a bf16 step is not fp32's. tests/passes/test_bf16_regions.py trains the small GPT
+for a few steps both ways and bounds the loss difference (see there for the measured value).
+Refuses graphs that already enter autocast (the model chose its own precision) and graphs
+without a matmul-like op (nothing to gain).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxmem.rules import Refusal, example_value, op_key
+
+__all__ = ["bf16_regions"]
+
+log = logging.getLogger("fxmem.passes")
+
+# Ops autocast runs in the lower precision, by the canonical names of fxmem.rules.
+_LOWERED = {
+    "linear",
+    "matmul",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose2d",
+    "scaled_dot_product_attention",
+    "einsum",
+}
+
+
+def _device_type(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    for n in gm.graph.nodes:
+        v = example_value(n)
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
+def guard(gm: fx.GraphModule) -> Refusal | None:
+    if any(getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
+        return Refusal("the model already enters autocast")
+    if not any(op_key(n) in _LOWERED for n in gm.graph.nodes):
+        return Refusal("no matmul, convolution or attention to run in bf16")
+    return None
+
+
+def bf16_regions(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
+    refusal = guard(gm)
+    if refusal is not None:
+        log.debug("bf16_regions refused: %s", refusal.reason)
+        return gm, 0
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    first_op = next(n for n in nodes if n.op not in ("placeholder", "get_attr"))
+    output = nodes[-1]
+    with graph.inserting_before(first_op):
+        enter = graph.call_function(
+            torch.amp.autocast_mode._enter_autocast, (_device_type(gm, example_inputs), torch.bfloat16, True, None)
+        )
+    with graph.inserting_before(output):
+        graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
+
+        def restore(value: Any) -> Any:
+            # Inside the region a floating output may come out in bf16: give it back its dtype.
+            v = example_value(value)
+            if isinstance(value, fx.Node) and isinstance(v, torch.Tensor) and v.is_floating_point():
+                cast = graph.call_method("to", (value, v.dtype))
+                cast.meta["example_value"] = v
+                return cast
+            return value
+
+        output.args = (fx.node.map_aggregate(output.args[0], restore),)
+    lowered = sum(op_key(n) in _LOWERED for n in nodes)
+    graph.lint()
+    gm.recompile()
+    return gm, lowered

@@ -1,0 +1,305 @@
+"""chunked_lm_loss: cross_entropy(linear(h).view(-1, V), y) runs by chunks of rows, exactly.
+
+A tiny head (a body layer so `h` has parameters behind it, then the LM head and the loss) in
+each form the pass claims — view/reshape, bias, ignore_index -100 and -1, reduction mean/sum,
+logits also returned — and nanoGPT and HF *ForCausalLM models. Loss and the gradients of every
+parameter equal eager's to 1e-5 relative; the counter fired exactly; the graph lints. Refusals:
+label smoothing, per-row losses, a vocabulary under 4x the hidden size, logits used before the
+loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _graphs import calls, capture, compare_with_eager, compile_with_pass, grad_err
+from conftest import grads_of, step, zero_grads
+from fxmem.passes.chunked_lm_loss import chunked_cross_entropy, chunked_lm_loss
+
+import fxmem
+from fxmem.pipeline import run_passes
+from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+TOL = 1e-5
+HIDDEN, VOCAB = 16, 128  # 8x: the pass fires (it needs 4x)
+
+
+class Head(nn.Module):
+    def __init__(self, vocab=VOCAB, bias=False, flatten="view", return_logits=False, **loss_kwargs):
+        super().__init__()
+        self.body = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, vocab, bias=bias)
+        self.flatten, self.return_logits, self.loss_kwargs = flatten, return_logits, loss_kwargs
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x)))  # (B, T, V)
+        flat = getattr(logits, self.flatten)(-1, logits.size(-1))
+        loss = F.cross_entropy(flat, y.view(-1), **self.loss_kwargs)
+        return (loss, logits) if self.return_logits else loss
+
+
+def _batch(vocab=VOCAB, T=25, ignore=None, seed=0):
+    """(x, y) of 2 x 25 rows — 50 rows: the last chunk is short."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, T, HIDDEN, generator=g)
+    y = torch.randint(0, vocab, (2, T), generator=g)
+    if ignore is not None:
+        y[0, :7] = ignore
+        y[1, -3:] = ignore
+    return x, y
+
+
+def _chunk(model, *args, expect=1):
+    """Capture, run only chunked_lm_loss (through run_passes, as the backend does); lints."""
+    gm, ex = capture(model, *args)
+    chunked_lm_loss.refusals.clear()
+    gm, fired = run_passes(gm, ex, ["chunked_lm_loss"])
+    gm.graph.lint()
+    assert fired == {"chunked_lm_loss": expect}, chunked_lm_loss.refusals
+    return gm
+
+
+def _assert_exact(model, x, y, loss=lambda out: out):
+    compiled, seen = compile_with_pass(chunked_lm_loss, model)
+    loss_err, worst = compare_with_eager(lambda: model(x, y), lambda: compiled(x, y), list(model.parameters()), loss)
+    assert loss_err < TOL and worst < TOL, (loss_err, worst)
+    ((gm, fired),) = seen
+    return gm, fired
+
+
+def _chunked_nodes(gm):
+    return calls(gm, chunked_cross_entropy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, ignore",
+    [
+        ({}, None),
+        ({"bias": True}, None),
+        ({"flatten": "reshape"}, None),
+        ({}, -100),  # HF's default ignore_index, rows masked out
+        ({"ignore_index": -1}, -1),  # nanoGPT's
+        ({"reduction": "sum"}, -100),
+        ({"reduction": "sum", "bias": True, "ignore_index": 7}, 7),
+    ],
+    ids=["plain", "bias", "reshape", "ignore-100", "ignore-1", "sum", "sum-bias-ignore7"],
+)
+def test_head_forms_chunked_and_exact(kwargs, ignore):
+    torch.manual_seed(0)
+    model = Head(**kwargs)
+    x, y = _batch(ignore=ignore)
+    gm = _chunk(model, x, y)
+    (node,) = _chunked_nodes(gm)
+    assert not calls(gm, F.cross_entropy) and not calls(gm, F.linear)[1:], gm.code  # only the body's linear
+    assert node.args[4] == kwargs.get("ignore_index", -100) and node.args[5] == kwargs.get("reduction", "mean")
+    assert node.args[6] < 50, "more than one chunk"
+    gm, fired = _assert_exact(model, x, y)
+    assert fired == 1
+
+
+def test_logits_returned_are_eagers_and_carry_their_gradient():
+    torch.manual_seed(0)
+    model = Head(return_logits=True)
+    x, y = _batch(ignore=-100)
+    gm, fired = _assert_exact(model, x, y, loss=lambda out: out[0] + out[1].square().mean())
+    assert fired == 1
+    (node,) = _chunked_nodes(gm)
+    assert node.args[7] is True, "the variant that returns the logits"
+    compiled, _ = compile_with_pass(chunked_lm_loss, model)
+    loss, logits = compiled(x, y)
+    ref_loss, ref_logits = model(x, y)
+    assert torch.allclose(logits, ref_logits, rtol=TOL, atol=1e-6)
+    assert torch.allclose(loss, ref_loss, rtol=TOL)
+
+
+def test_no_grad_forward_is_eagers_loss():
+    torch.manual_seed(0)
+    model = Head(bias=True)
+    x, y = _batch(ignore=-100)
+    compiled, seen = compile_with_pass(chunked_lm_loss, model)
+    with torch.no_grad():
+        got, ref = compiled(x, y), model(x, y)
+    assert seen[0][1] == 1
+    assert torch.allclose(got, ref, rtol=TOL)
+
+
+def test_nanogpt_head_end_to_end():
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, tgt = gpt_batch(cfg, 2, 64)
+    ref = step(model, idx, tgt)
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, compiler="eager", passes=("chunked_lm_loss",))
+    got = step(m, idx, tgt)
+    assert m.plan.rewrites == {"chunked_lm_loss": 1}
+    assert torch.allclose(got, ref, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < TOL
+
+
+def _floor(model, batch, passes):
+    """(floor bytes, bytes the step itself allocates at the floor's peak)."""
+    try:
+        fxmem.optimize(model, 1e-6, compiler="eager", passes=passes, example_inputs=batch)
+    except fxmem.BudgetError as e:
+        static = ("parameters", "inputs and buffers", "other live tensors")
+        return e.floor_bytes, sum(v for k, v in e.breakdown.items() if k not in static)
+    raise AssertionError("a 1 KiB budget was accepted")
+
+
+def test_at_its_floor_the_logits_are_never_whole():
+    """The backward runs the chunk loop chunk by chunk: at the floor, measured, far less than
+    one copy of the logits is alive beyond what the step must keep, and gradients are exact."""
+    torch.manual_seed(0)
+    model = Head(vocab=2048)
+    x, y = _batch(vocab=2048, T=200)  # 400 rows: logits 3.1 MiB, 25 chunks of 16 rows
+    logits_bytes = 400 * 2048 * 4
+    ref = step(model, x, y)
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    floor, step_bytes = _floor(model, (x, y), ("chunked_lm_loss",))
+    assert step_bytes < logits_bytes / 2, step_bytes
+    assert _floor(model, (x, y), ())[1] > 2 * logits_bytes  # without the pass: logits and their gradient
+    m = fxmem.optimize(model, (floor + 1) / 2**30, compiler="eager", passes=("chunked_lm_loss",))
+    step(m, x, y)  # compiles and plans
+    zero_grads(model)
+    measured = fxmem.measure(step, m, x, y)
+    assert m.plan.rewrites == {"chunked_lm_loss": 1}
+    assert measured.peak_bytes <= m.plan.budget_bytes
+    assert torch.allclose(measured.result, ref, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < TOL
+
+
+def test_head_with_inductor():
+    torch.manual_seed(0)
+    model = Head(vocab=80, bias=True)  # 5 chunks: as few as still show the aliasing
+    x, y = _batch(vocab=80, ignore=-100)
+    ref = step(model, x, y)
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, passes=("chunked_lm_loss",))  # inductor
+    got = step(m, x, y)
+    assert m.plan.rewrites == {"chunked_lm_loss": 1}
+    assert torch.allclose(got, ref, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < 1e-4  # inductor's kernels reorder sums
+
+
+# --- Hugging Face *ForCausalLM: the loss and the logits both come back --------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(name):
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        )  # fmt: skip
+        return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
+    model.loss_type = "ForCausalLM"  # see test_hf_models: avoids a warning_once graph break
+    return model
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_causal_lm_loss_and_logits(name):
+    model = _hf(name).train()
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt the loss ignores
+    kwargs = {"input_ids": ids, "labels": labels}
+    params = list(model.parameters())
+    compiled, seen = compile_with_pass(chunked_lm_loss, model)
+
+    def both(out):  # a loss that reads the logits too: their gradient must add in
+        return out.loss + out.logits.square().mean()
+
+    loss_err, worst = compare_with_eager(lambda: model(**kwargs), lambda: compiled(**kwargs), params, both)
+    assert loss_err < TOL and worst < TOL, (loss_err, worst)
+    ((gm, fired),) = seen
+    assert fired == 1
+    (node,) = _chunked_nodes(gm)
+    assert node.args[7] is True
+    out, ref = compiled(**kwargs), model(**kwargs)
+    assert torch.allclose(out.logits, ref.logits, rtol=TOL, atol=1e-6)
+    assert torch.allclose(out.loss, ref.loss, rtol=TOL)
+    # and with the loss alone backpropagated (no gradient sent into the logits)
+    loss_err, worst = compare_with_eager(lambda: model(**kwargs).loss, lambda: compiled(**kwargs).loss, params)
+    assert loss_err < TOL and worst < TOL, (loss_err, worst)
+
+
+def test_hf_llama_end_to_end_all_passes():
+    model = _hf("llama").train()
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref = model(input_ids=ids, labels=ids)
+    (ref.loss + ref.logits.square().mean()).backward()
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, compiler="eager")
+    out = m(input_ids=ids, labels=ids)
+    (out.loss + out.logits.square().mean()).backward()
+    assert m.plan.rewrites == {"swap_sdpa": 1, "fuse_projections": 2, "chunked_lm_loss": 1}
+    assert torch.allclose(out.logits, ref.logits, rtol=TOL, atol=1e-6)
+    assert torch.allclose(out.loss, ref.loss, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < TOL
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"label_smoothing": 0.1}, "label smoothing"),
+        ({"reduction": "none"}, "per-row"),
+        ({"vocab": 3 * HIDDEN}, "under 4x"),
+    ],
+    ids=["label_smoothing", "reduction-none", "small-vocab"],
+)
+def test_refused_and_untouched(kwargs, reason):
+    torch.manual_seed(0)
+    vocab = kwargs.get("vocab", VOCAB)
+    model = Head(**kwargs)
+    x, y = _batch(vocab=vocab)
+    gm = _chunk(model, x, y, expect=0)
+    assert any(reason in r for _, _, r in chunked_lm_loss.refusals), chunked_lm_loss.refusals
+    assert calls(gm, F.cross_entropy) and not _chunked_nodes(gm)
+    _, fired = _assert_exact(model, x, y, loss=lambda out: out.sum())
+    assert fired == 0
+
+
+def test_logits_used_before_the_loss_are_refused():
+    class EarlyUse(Head):
+        def forward(self, x, y):
+            logits = self.head(torch.tanh(self.body(x)))
+            z = logits.square().mean()  # a use of the logits that comes before the loss
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)) + z
+
+    torch.manual_seed(0)
+    model = EarlyUse()
+    x, y = _batch()
+    _chunk(model, x, y, expect=0)
+    assert any("before its end" in r for _, _, r in chunked_lm_loss.refusals)
+    _, fired = _assert_exact(model, x, y)
+    assert fired == 0
+
+
+def test_flattened_logits_used_elsewhere_are_refused():
+    class FlatEscapes(Head):
+        def forward(self, x, y):
+            flat = self.head(torch.tanh(self.body(x))).view(-1, VOCAB)
+            return F.cross_entropy(flat, y.view(-1)), flat
+
+    torch.manual_seed(0)
+    model = FlatEscapes()
+    x, y = _batch()
+    _chunk(model, x, y, expect=0)
+    assert any("also used outside" in r for _, _, r in chunked_lm_loss.refusals)
