@@ -10,7 +10,7 @@ or, without importing fxmem: torch.compile(model, backend="fxmem", options={"bud
 
 from fxmem.api import FxmemModule, optimize
 from fxmem.backend import fxmem_backend, recent_plans
-from fxmem.errors import BudgetError, GraphBreakError
+from fxmem.errors import BudgetError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
 from fxmem.plan import Decision, Plan
 
@@ -21,6 +21,7 @@ __all__ = [
     "GraphBreakError",
     "Measurement",
     "Plan",
+    "PlanMismatchError",
     "fxmem_backend",
     "measure",
     "optimize",

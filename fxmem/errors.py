@@ -11,7 +11,7 @@ from fxmem.plan import format_bytes
 if TYPE_CHECKING:
     from fxmem.plan import Plan
 
-__all__ = ["BudgetError", "GraphBreakError", "check_budget_gb"]
+__all__ = ["BudgetError", "GraphBreakError", "PlanMismatchError", "check_budget_gb"]
 
 
 class BudgetError(ValueError):
@@ -31,6 +31,10 @@ class BudgetError(ValueError):
             f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}); "
             f"at that floor: {parts}"
         )
+
+
+class PlanMismatchError(ValueError):
+    """A saved plan was applied to a graph it was not made for; the message names the difference."""
 
 
 class GraphBreakError(RuntimeError):

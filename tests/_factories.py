@@ -1,0 +1,39 @@
+"""Factories for `fxmem` CLI tests: each returns (model, example_inputs), small and quick."""
+
+from __future__ import annotations
+
+import torch
+
+from fxmem.testing import GPT, ConvNet, GPTConfig, gpt_batch
+
+TINY_GPT = GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_gpt():
+    torch.manual_seed(0)
+    return GPT(TINY_GPT), gpt_batch(TINY_GPT, 2, 64)
+
+
+def tiny_gpt_kwargs():
+    model, (idx, targets) = tiny_gpt()
+    return model, {"idx": idx, "targets": targets}
+
+
+def convnet():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    return ConvNet(channels=16, blocks=2), (
+        torch.randn(4, 3, 32, 32, generator=g),
+        torch.randint(0, 10, (4,), generator=g),
+    )
+
+
+def not_a_pair():
+    return torch.nn.Linear(2, 2)
+
+
+def raises():
+    raise RuntimeError("the dataset is missing")
+
+
+NOT_CALLABLE = 3
