@@ -9,6 +9,8 @@ here, once, into an `Options`.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +23,16 @@ from fxmem import _torch_private as tp
 from fxmem.errors import check_budget_gb
 from fxmem.measure import live_tensor_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
-from fxmem.pipeline import run_passes
+from fxmem.pipeline import default_passes, run_passes
 from fxmem.plan import Plan
+from fxmem.plan_log import emit_plan
 
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
 log = logging.getLogger("fxmem")
 
 COMPILERS = ("inductor", "eager")
+PRECISIONS = ("fp32", "bf16")
 
 # Dropout as `rand_like(x) > p` and a multiply: the mask is then a bool value of its own, which
 # is what the backward keeps, and the random draw itself is never run twice.
@@ -47,20 +51,35 @@ class _Ledger:
     """
 
     def __init__(self, owner: object):
-        self.owner = owner  # keeps id(owner) from being reused while the ledger lives
+        # Keeps id(owner) from being reused while the ledger lives: weakly where the owner
+        # allows it (fxmem.optimize's Options, which lead back to the user's model), else
+        # strongly (torch.compile's options dict), with only the last few such ledgers kept.
+        try:
+            self._owner: Callable[[], object] = weakref.ref(owner)
+        except TypeError:
+            self._owner = lambda: owner
         self.saved_by_region: dict[object, int] = {}
+
+    def owned_by(self, owner: object) -> bool:
+        return self._owner() is owner
 
     def others(self, region: object) -> int:
         return sum(b for r, b in self.saved_by_region.items() if r != region)
 
 
 _ledgers: dict[int, _Ledger] = {}
+_LEDGERS_KEPT = 8
 
 
 def _ledger_for(owner: object) -> _Ledger:
-    ledger = _ledgers.get(id(owner))
-    if ledger is None or ledger.owner is not owner:
-        ledger = _ledgers[id(owner)] = _Ledger(owner)
+    ledger = _ledgers.pop(id(owner), None)
+    if ledger is None or not ledger.owned_by(owner):
+        ledger = _Ledger(owner)
+    _ledgers[id(owner)] = ledger  # most recent last
+    for key in [k for k, v in _ledgers.items() if v._owner() is None]:
+        del _ledgers[key]
+    for key in list(_ledgers)[:-_LEDGERS_KEPT]:
+        del _ledgers[key]
     return ledger
 
 
@@ -82,12 +101,20 @@ class Options:
     compiler: str = "inductor"
     optimizer: torch.optim.Optimizer | None = None
     passes: Sequence[str] | None = None  # None: the default (exact) passes
+    precision: str = "fp32"  # "bf16": also run bf16_regions
     margin: float = 0.03
     on_plan: Callable[[Plan], None] | None = field(default=None, repr=False)
+    dump: str | None = None  # folder to save every plan into (default: $FXMEM_DUMP)
+    plan: str | Plan | None = field(default=None, repr=False)  # a saved plan.json (or its folder) to apply
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> Options:
         options = dict(options or {})
+        if "tie_weights" in options:
+            raise ValueError(
+                "tie_weights changes which tensors a module holds, which a torch.compile backend "
+                "cannot do; use fxmem.optimize(model, budget_gb, tie_weights=...)"
+            )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(options) - known)
         if unknown:
@@ -97,9 +124,20 @@ class Options:
             check_budget_gb(opts.budget_gb)
         if opts.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {opts.compiler!r}")
+        if opts.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {opts.precision!r}")
         if not 0 <= opts.margin < 0.5:
             raise ValueError(f"margin must be a fraction in [0, 0.5), got {opts.margin!r}")
+        if opts.plan is not None and not isinstance(opts.plan, Plan):
+            path = os.fspath(opts.plan)
+            opts.plan = Plan.load(os.path.join(path, "plan.json") if os.path.isdir(path) else path)
         return opts
+
+    def pass_names(self) -> list[str]:
+        names = list(default_passes() if self.passes is None else self.passes)
+        if self.precision == "bf16" and "bf16_regions" not in names:
+            names.append("bf16_regions")
+        return names
 
     @property
     def budget_bytes(self) -> int | None:
@@ -162,17 +200,19 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int,
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
-    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin."""
+    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin, dump
+    (a folder to save every plan into; default $FXMEM_DUMP), plan (a saved plan.json to apply)."""
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
-    gm, fired = run_passes(gm, example_inputs, opts.passes)
+    gm, fired = run_passes(gm, example_inputs, opts.pass_names())
     state_bytes, step_bytes = optimizer_state_bytes(opts.optimizer)
 
     def on_plan(plan: Plan) -> None:
         ledger.saved_by_region[region] = plan.saved_bytes
+        emit_plan(plan, opts.dump, region)
         _recent.append(plan)
         del _recent[:-_RECENT_KEPT]
         if opts.on_plan is not None:
@@ -195,6 +235,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         margin_fraction=opts.margin,
         rewrites=fired,
         on_plan=on_plan,
+        reuse=opts.plan,
     )
     partition_fn = make_partition_fn(req)
     if opts.compiler == "inductor":

@@ -2,20 +2,35 @@
 
 Compute-bound ops (those torch's flop counter knows: matmuls, convolutions, attention) cost
 their flops over the device's matmul rate; everything else costs the bytes it reads and
-writes over memory bandwidth; views cost nothing. The two rates are measured once per
-process on the device the graph runs on, so the planner's trade-offs follow the machine.
+writes over memory bandwidth; views cost nothing. The two rates are measured on the device
+the graph runs on, so the planner's trade-offs follow the machine.
+
+A plan must be a function of the graph and the budget alone, yet timings wobble from run to
+run (by 20% on a busy CPU), and a plan ranks its candidates by bytes per second of added
+time: a wobble reorders near-ties and the same budget recomputed 96 values in one run and 100
+in the next. So the rates are snapped to a grid of half-octaves and kept, per machine, device
+and torch version, in a small JSON file (`$FXMEM_CACHE_DIR`, else `~/.cache/fxmem`): the first
+process on a machine measures them, every later one plans with the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 import operator
+import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
+
+from fxmem import _torch_private as tp
 
 __all__ = ["CostModel", "DeviceRates", "measure_rates"]
 
@@ -30,8 +45,61 @@ class DeviceRates:
 
 @functools.cache
 def measure_rates(device: str) -> DeviceRates:
-    """Matmul flop rate and copy bandwidth of `device`, timed once (median of a few runs)."""
+    """Matmul flop rate and copy bandwidth of `device`: timed once per machine, then cached."""
+    path = _cache_dir() / "device_rates.json"
+    key = f"{_device_name(device)} | torch {torch.__version__}"
+    table = _read_table(path)
+    try:
+        return DeviceRates(float(table[key]["flops_per_s"]), float(table[key]["bytes_per_s"]))
+    except (KeyError, TypeError, ValueError):
+        pass
+    rates = _snap(_time_rates(device))
+    table[key] = {"flops_per_s": rates.flops_per_s, "bytes_per_s": rates.bytes_per_s}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # a read-only home: the snapped rates still keep small wobbles out of the plan
+    return rates
+
+
+def _read_table(path: Path) -> dict:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FXMEM_CACHE_DIR") or Path.home() / ".cache" / "fxmem")
+
+
+def _device_name(device: str) -> str:
     dev = torch.device(device)
+    if dev.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(dev)}"
+    return f"{dev.type} {platform.machine()} {platform.processor() or platform.node()} x{os.cpu_count()}"
+
+
+def _snap(rates: DeviceRates) -> DeviceRates:
+    """Round each rate to the nearest half-octave (a factor of sqrt 2)."""
+
+    def snap(x: float) -> float:
+        return 2.0 ** (round(2 * math.log2(x)) / 2)
+
+    return DeviceRates(flops_per_s=snap(rates.flops_per_s), bytes_per_s=snap(rates.bytes_per_s))
+
+
+def _time_rates(device: str) -> DeviceRates:
+    """Matmul flop rate and copy bandwidth of `device`, timed now (median of a few runs)."""
+    with tp.real_tensors():  # planning runs inside fake-tensor tracing, where ops take no time
+        return _time_rates_real(torch.device(device))
+
+
+def _time_rates_real(dev: torch.device) -> DeviceRates:
     n = 512 if dev.type == "cpu" else 4096
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)

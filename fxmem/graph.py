@@ -106,6 +106,59 @@ def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage
     return mat
 
 
+def _aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input a view op's output aliases (None for ops that return new memory)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    ret = schema.returns[0].alias_info
+    if ret is None or ret.is_write:
+        return None
+    for arg, value in zip(schema.arguments, node.args, strict=False):
+        if arg.alias_info is not None and arg.alias_info.before_set == ret.before_set:
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def _merge_view_storages(
+    nodes: list[fx.Node], storage: list[int], storage_bytes: list[int]
+) -> tuple[list[int], list[int]]:
+    """Give every view the storage of its base, whatever its fake value says.
+
+    Graph passes that rebuild a node (inductor's joint-graph passes, for one) can leave a view
+    with a fake value of its own storage: `expand(div)` then looks like a second copy of `div`,
+    and a plan saving both would be charged twice for memory that exists once.
+    """
+    parent = list(range(len(storage_bytes)))
+
+    def root(s: int) -> int:
+        while parent[s] != s:
+            parent[s] = parent[parent[s]]
+            s = parent[s]
+        return s
+
+    index = {n: i for i, n in enumerate(nodes)}
+    for i, n in enumerate(nodes):
+        base = _aliased_input(n) if n.op == "call_function" else None
+        j = index.get(base) if base is not None else None
+        if j is None or storage[i] < 0 or storage[j] < 0:
+            continue
+        a, b = root(storage[j]), root(storage[i])
+        if a != b:
+            parent[max(a, b)] = min(a, b)  # the earlier storage (the base) names the group
+    if all(parent[s] == s for s in range(len(parent))):
+        return storage, storage_bytes
+    new_id: dict[int, int] = {}
+    merged_bytes: list[int] = []
+    for s in range(len(storage_bytes)):
+        r = root(s)
+        if r not in new_id:
+            new_id[r] = len(merged_bytes)
+            merged_bytes.append(0)
+        merged_bytes[new_id[r]] = max(merged_bytes[new_id[r]], storage_bytes[s])
+    return [new_id[root(s)] if s >= 0 else -1 for s in storage], merged_bytes
+
+
 @dataclass
 class JointGraph:
     gm: fx.GraphModule
@@ -200,6 +253,8 @@ class JointGraph:
                 storage.append(sid)
             else:
                 storage.append(-1)
+
+        storage, storage_bytes = _merge_view_storages(nodes, storage, storage_bytes)
 
         banned = []
         for n in nodes:

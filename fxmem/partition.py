@@ -3,11 +3,12 @@
 Deciding is separate from doing: `JointGraph` + `plan_trajectory` produce a `Choice` (which
 forward values are saved); `_emit` only applies it, letting torch cut the joint graph at
 exactly that boundary (anything unsaved that the backward needs is copied into it) and order
-the backward so recomputation happens right before use, as `simulate` assumed.
+the backward exactly as `simulate` ran it.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from fxmem.cost import CostModel, measure_rates
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
 from fxmem.plan import Decision, Plan
+from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
 from fxmem.simulate import simulate
 
@@ -45,6 +47,7 @@ class PlanRequest:
     margin_bytes: int = 2 * 2**20
     rewrites: dict[str, int] = field(default_factory=dict)
     on_plan: Callable[[Plan], None] | None = None
+    reuse: Plan | None = None  # apply this saved plan's decisions instead of planning
 
     def reserved_bytes(self) -> int:
         """Bytes alive through the whole step that no plan changes."""
@@ -67,16 +70,22 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         storage_remap = remove_redundant_clones(joint)
         jg = JointGraph.build(joint, num_fwd_outputs, cost, storage_remap, fusing=req.compiler == "inductor")
         grad_bytes = sum(jg.storage_bytes[s] for s in {jg.storage[i] for i in jg.bwd_outputs} if s >= 0)
-        trajectory = plan_trajectory(
-            jg, floor_bytes=grad_bytes + req.optimizer_step_bytes if req.optimizer_step_bytes else 0
-        )
+        step_floor = grad_bytes + req.optimizer_step_bytes if req.optimizer_step_bytes else 0
         reserved = req.reserved_bytes()
-        floor_choice = trajectory.smallest
-        floor_bytes = req.budget_for(trajectory.peak(floor_choice))
-        if req.budget_bytes is None:
-            choice = trajectory.unconstrained
+        if req.reuse is not None:
+            trajectory = reuse_trajectory(req.reuse, jg, graph_record(jg), step_floor)
+            floor_choice = choice = trajectory.unconstrained
+            floor_bytes = req.reuse.floor_bytes
+            if req.budget_bytes is not None and trajectory.peak(choice) > req.budget_bytes - reserved - req.margin():
+                choice = None
         else:
-            choice = trajectory.choose(req.budget_bytes - reserved - req.margin())
+            trajectory = plan_trajectory(jg, floor_bytes=step_floor)
+            floor_choice = trajectory.smallest
+            floor_bytes = req.budget_for(trajectory.peak(floor_choice))
+            if req.budget_bytes is None:
+                choice = trajectory.unconstrained
+            else:
+                choice = trajectory.choose(req.budget_bytes - reserved - req.margin())
         planning_s = time.perf_counter() - t0
         if choice is None:
             plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s)
@@ -106,11 +115,42 @@ def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModul
         elif jg.kind[i] == FWD and choice.saved[i]:
             saved_values.append(node)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
-    bw = tp.reorder_backward_lazily(bw)
+    bw = _ordered_as(bw, [jg.nodes[i].name for i in choice.timeline.order[choice.timeline.boundary :]])
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return fw, bw
+
+
+def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """`gm` with its nodes in the order `names` gives (placeholders first, output last).
+
+    A topological sort that, among the nodes whose inputs are ready, takes the one earliest in
+    `names`; nodes `names` lacks come after every named one that is ready, in graph order.
+    """
+    rank = {name: k for k, name in enumerate(names)}
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    pos = {n: k for k, n in enumerate(nodes)}
+    waiting = {n: sum(1 for a in n.all_input_nodes if a in pos) for n in nodes}
+    ready = [(rank.get(n.name, len(rank)), pos[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        env[n] = graph.node_copy(n, env.__getitem__)
+    while ready:
+        *_, n = heapq.heappop(ready)
+        env[n] = graph.node_copy(n, env.__getitem__)
+        for u in n.users:
+            if u in waiting:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, (rank.get(u.name, len(rank)), pos[u], u))
+    if len(env) != len(nodes) + len(gm.graph.find_nodes(op="placeholder")):
+        raise RuntimeError("fxmem: the backward graph has a cycle")  # a bug, never the user's input
+    for n in gm.graph.find_nodes(op="output"):
+        graph.node_copy(n, env.__getitem__)
+    return fx.GraphModule(gm, graph)
 
 
 def _breakdown(req: PlanRequest, jg: JointGraph, choice: Choice) -> dict[str, int]:
@@ -171,6 +211,10 @@ def _make_plan(
             )
         )
     reserved = req.reserved_bytes()
+    graph = graph_record(jg)
+    static = dict(req.static_bytes)
+    if req.optimizer_bytes:
+        static["optimizer state"] = req.optimizer_bytes
     return Plan(
         budget_bytes=req.budget_bytes,
         predicted_peak_bytes=reserved + trajectory.peak(choice),
@@ -185,4 +229,8 @@ def _make_plan(
         compiler=req.compiler,
         device=str(req.device),
         graph_nodes=len(jg.nodes),
+        timeline=timeline_record(jg, choice, static, req.optimizer_step_bytes),
+        graph=graph,
+        fingerprint=fingerprint(graph),
+        saved_nodes=[jg.nodes[i].name for i, s in enumerate(choice.saved) if s],
     )

@@ -14,6 +14,7 @@ that `simulate` reports, in bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxmem.graph import FWD, PRIMAL, TANGENT, JointGraph
@@ -166,13 +167,23 @@ class Trajectory:
 
 
 def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
+    """Two walks from "save everything": one takes the most bytes per second of added
+    recomputation first, the other the most bytes first. A greedy walk can stall above the
+    floor when the cheap moves it took early leave no move that lowers the peak; which one
+    reaches further depends on the graph, so both are the menu."""
+    by_rate = _walk(jg, lambda m: (-m.score, m.sid))
+    by_bytes = _walk(jg, lambda m: (-m.gain_bytes, m.cost_s, m.sid))
+    return Trajectory(jg, by_rate + by_bytes[1:], floor_bytes)
+
+
+def _walk(jg: JointGraph, order: Callable[[_Move], tuple]) -> list[Choice]:
     saved = _initial_saved(jg)
     tl = simulate(jg, saved)
     states = [Choice(saved, tl)]
     tried: set[int] = set()
     single = False
     while True:
-        moves = sorted(_moves(jg, saved, tl, tried), key=lambda m: -m.score)
+        moves = sorted(_moves(jg, saved, tl, tried), key=order)
         if not moves:
             break
         want = 1 if single else max(1, int(_BATCH_FRACTION * tl.peak_bytes))
@@ -194,4 +205,4 @@ def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
             single = False
         else:
             single = True
-    return Trajectory(jg, states, floor_bytes)
+    return states

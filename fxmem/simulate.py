@@ -10,6 +10,7 @@ the end. Primal storages (parameters, buffers, inputs) are static: the caller ad
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
@@ -37,6 +38,9 @@ class Timeline:
     saved_interval: dict[int, tuple[int, int]]  # saved storage -> (alloc step, free step)
     kinds: list[str]  # per step: "fwd", "bwd" or "recompute"
     alive_at_snapshot: frozenset[int] = frozenset()
+    # With `record_events`: (step, storage, +bytes) when a storage is charged, (step, storage,
+    # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files).
+    events: list[tuple[int, int, int]] | None = None
 
 
 def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
@@ -46,10 +50,33 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     for i, k in enumerate(jg.kind):
         if k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])):
             done[i] = True
+    # Forward nodes the backward will need (so will recompute, if they are not saved).
+    needed = [False] * n
+    for i in range(n - 1, -1, -1):
+        needed[i] = jg.kind[i] == BWD or any(needed[u] and not done[u] for u in jg.users[i])
     order: list[int] = []
     recomputed: list[int] = []
 
+    def emit(i: int) -> None:
+        if jg.kind[i] == FWD:
+            if jg.banned[i]:
+                raise InfeasibleSave(i)
+            recomputed.append(i)
+        done[i] = True
+        order.append(i)
+
+    def extra(u: int) -> bool:
+        """May run early, though nothing asked for it yet: see `bring`."""
+        return u < jg.first_bwd and jg.kind[u] in (FWD, BWD) and needed[u] and not done[u] and not jg.banned[u]
+
     def bring(root: int) -> None:
+        """Run `root` and whatever it needs that is not there, in graph order.
+
+        Readers of what is brought that stand before the gradients in the graph (recomputed
+        forward values; values only the backward reads) join in as soon as their inputs are
+        there rather than when the backward first asks for them: a loop run in the backward
+        (the chunked loss's chunks) then frees each chunk's values before the next starts.
+        """
         if done[root]:
             return
         todo, seen = [root], {root}
@@ -59,13 +86,16 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
                 if not done[j] and j not in seen:
                     seen.add(j)
                     todo.append(j)
-        for i in sorted(seen):
-            if jg.kind[i] == FWD:
-                if jg.banned[i]:
-                    raise InfeasibleSave(i)
-                recomputed.append(i)
-            done[i] = True
-            order.append(i)
+        ready = [i for i in seen if all(done[j] for j in jg.inputs[i])]
+        heapq.heapify(ready)
+        queued = set(ready)
+        while ready:
+            i = heapq.heappop(ready)
+            emit(i)
+            for u in jg.users[i]:
+                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in jg.inputs[u]):
+                    queued.add(u)
+                    heapq.heappush(ready, u)
 
     for i in range(jg.first_bwd, n):
         if jg.kind[i] == BWD:
@@ -75,8 +105,9 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     return order, recomputed
 
 
-def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeline:
+def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:
     """Run the step on paper; `snapshot_at` records the storages alive at that step."""
+    events: list[tuple[int, int, int]] | None = [] if record_events else None
     fwd_order = [i for i, k in enumerate(jg.kind) if k == FWD]
     bwd_order, recomputed = backward_order(jg, saved)
     # Gradients of the outputs arrive as the backward starts: for outputs the loss does not
@@ -138,6 +169,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeli
             # that read them are scheduled apart from the ones that make them.
             charged[s] = sbytes[s] if i in rset else cost[s]
             cur += charged[s]
+            if events is not None:
+                events.append((t, s, charged[s]))
         curve.append(cur)
         if t == snapshot_at:
             snapshot = frozenset(alive)
@@ -147,6 +180,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeli
             if s in alive:
                 alive.discard(s)
                 cur -= charged[s]
+                if events is not None:
+                    events.append((t, s, -charged[s]))
 
     saved_interval = {}
     for s in saved_sids:
@@ -164,6 +199,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1) -> Timeli
         saved_interval=saved_interval,
         kinds=kinds,
         alive_at_snapshot=snapshot,
+        events=events,
     )
 
 

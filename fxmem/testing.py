@@ -1,7 +1,8 @@
 """Small real models for fxmem's tests, examples and benchmarks.
 
 `GPT` is nanoGPT-shaped with hand-written attention (the T x T weights are materialised, as
-in most research code). `ConvNet` is a ResNet-style CNN with BatchNorm.
+in most research code). `ConvNet` is a ResNet-style CNN with BatchNorm. `ViT` is a reduced
+timm-style vision transformer whose attention already calls `F.scaled_dot_product_attention`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ConvNet", "GPT", "GPTConfig", "gpt_batch"]
+__all__ = ["ConvNet", "GPT", "GPTConfig", "ViT", "ViTConfig", "gpt_batch", "vit_batch"]
 
 
 @dataclass
@@ -126,3 +127,73 @@ class ConvNet(nn.Module):
         for block in self.blocks:
             x = F.relu(x + block(x))
         return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 64
+    patch_size: int = 8
+    channels: int = 3
+    n_layer: int = 4
+    n_head: int = 3
+    n_embd: int = 192
+    mlp_ratio: int = 4
+    classes: int = 100
+    dropout: float = 0.0
+
+
+class ViTBlock(nn.Module):
+    """Pre-LN transformer block as timm's ViT writes it: fused qkv, `F.scaled_dot_product_attention`."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.norm1 = nn.LayerNorm(cfg.n_embd, eps=1e-6)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.norm2 = nn.LayerNorm(cfg.n_embd, eps=1e-6)
+        self.fc1 = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd)
+        self.fc2 = nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(self.norm1(x)).view(B, N, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # (B, nh, N, hs)
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p).transpose(1, 2).reshape(B, N, C)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm2(x)))))
+
+
+class ViT(nn.Module):
+    """ViT-style classifier (timm's VisionTransformer, reduced): patch conv, class token, blocks.
+
+    `forward(images, labels)` returns the cross-entropy loss of the class-token head.
+    """
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        n_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.patch_embed = nn.Conv2d(cfg.channels, cfg.n_embd, cfg.patch_size, stride=cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.n_embd))
+        self.pos_embed = nn.Parameter(torch.randn(1, n_patches + 1, cfg.n_embd) * 0.02)
+        self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.n_embd, eps=1e-6)
+        self.head = nn.Linear(cfg.n_embd, cfg.classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, N, C)
+        x = torch.cat([self.cls_token.expand(x.size(0), -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)[:, 0]), labels)
+
+
+def vit_batch(cfg: ViTConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    labels = torch.randint(0, cfg.classes, (batch,), generator=g)
+    return images, labels

@@ -136,7 +136,7 @@ def _run_child(budget_gb: float, cwd) -> dict:
 
 def test_entry_point_backend_holds_budget_in_fresh_interpreter(tmp_path):
     eager_peak = _eager_peak_bytes()
-    budget_bytes = 0.6 * eager_peak
+    budget_bytes = 0.45 * eager_peak  # the default passes alone bring the step to about 60%
     res = _run_child(budget_bytes / 2**30, tmp_path)
     assert not res["loaded_before"], "fxmem was imported before torch.compile looked it up"
     assert res["loaded_by_compile"], "torch.compile did not load fxmem through its entry point"
