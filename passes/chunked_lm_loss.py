@@ -13,8 +13,8 @@ Each chunk of rows forms its logits, its log-sum-exp, its loss and — in the fo
 its gradient with respect to `h` and `w_vocab` (softmax minus one-hot, times the chunk's
 inputs), so neither the (B*T, V) logits nor their log-softmax nor their gradient is ever
 whole in memory; the backward only scales the gradients it was handed by the loss's
-gradient. The planner sees the chunk loop as ordinary ops and may recompute it instead of
-keeping the gradients. When the logits are also returned (HF models return them beside the
+gradient. The planner sees the chunk loop as ordinary forward ops: it keeps the gradients,
+or, under memory pressure, runs the loop again in the backward, chunk by chunk. When the logits are also returned (HF models return them beside the
 loss), they are computed once, the loss is formed chunk by chunk from them, and the backward
 works chunk by chunk too, adding whatever gradient the caller sends into the logits.
 
@@ -95,6 +95,23 @@ def _chunk_loss(logits, y, valid):
     return ((lse - picked) * valid).sum(), lse
 
 
+@torch.library.custom_op("fxmem::loss_with_grads", mutates_args=())
+def _loss_with_grads(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """`loss`, made to depend on `grads` in the traced graph (it reads nothing of them).
+
+    The gradients the loss forms in its forward are read only by the backward; left alone,
+    AOTAutograd's joint graph would count them as backward work and run the whole chunk loop
+    again there. Hanging them on the loss keeps them forward values: computed once with the
+    loss, then saved or recomputed as the plan decides.
+    """
+    return loss.clone()
+
+
+@_loss_with_grads.register_fake
+def _(loss, grads):
+    return torch.empty_like(loss)
+
+
 class _LossAndGrads(torch.autograd.Function):
     """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
 
@@ -121,7 +138,7 @@ class _LossAndGrads(torch.autograd.Function):
         dh = torch.cat(dh_parts).view(h.shape)
         ctx.save_for_backward(dh, dw, *(() if db is None else (db,)), denominator)
         ctx.has_bias = b is not None
-        return total / denominator
+        return _loss_with_grads(total / denominator, [dh, dw] + ([] if db is None else [db]))
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -104,6 +104,9 @@ def test_budget_held_and_gradients_exact(name):
         f"predicted {plan.predicted_peak_bytes / MiB:.2f} MiB, measured {got.peak_bytes / MiB:.2f} MiB"
     )
     assert plan.recomputed, "a budget this tight needs recomputation"
+    assert plan.rewrites["swap_sdpa"] == 4  # every layer's eager attention
+    # Llama: q/k/v and gate/up per layer; GPT-2's c_attn is already one matmul for q/k/v
+    assert plan.rewrites["fuse_projections"] == (8 if name == "llama" else 0)
     assert max_rel_err(grads_of(model), ref) < 1e-4
     assert torch.allclose(got.result, eager.result, rtol=1e-5)
 
