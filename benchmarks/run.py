@@ -1,0 +1,149 @@
+"""fxmem against the tools users would pick instead: measured memory and time, side by side.
+
+    python benchmarks/run.py [--device cpu|cuda] [--models gpt,vit,...] [--quick] [--steps N]
+
+For each model, from one process and one set of weights: eager; eager with every block
+checkpointed (torch.utils.checkpoint, or HF's gradient_checkpointing_enable); eager with
+activations offloaded to host memory (torch.autograd.graph.save_on_cpu(pin_memory=True),
+CUDA only); torch.compile (inductor); torch.compile with activation_memory_budget swept;
+fxmem swept over absolute budgets from its floor to unconstrained, with its default passes,
+and fxmem with passes=() (rematerialisation alone). Peaks come from `fxmem.measure`; see
+benchmarks/_harness.py for how steps are run, alternated, timed and checked.
+
+Writes, under --out-dir (default benchmarks/results/<device>, or .../<device>-quick):
+RESULTS.md (tables, goal checks, notes), results.json, and pareto-<model>.png per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+# A cold, private inductor cache, so that "first call" includes real compilation (and is not a
+# hit from an earlier run). Configurations of one run share it, as one user's runs would.
+if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="fxmem-bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks._harness import bench_model  # noqa: E402
+from benchmarks._models import DEFAULT_MODELS, MODELS  # noqa: E402
+from benchmarks._records import Options, machine_line  # noqa: E402
+from benchmarks._report import plot_pareto, render_model, summary_table, to_json  # noqa: E402
+
+__all__ = ["main"]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, one activation_memory_budget, fxmem at its floor and unconstrained; default model gpt",
+    )
+    ap.add_argument("--steps", type=int, default=5, help="measured rounds per configuration (>= 5 for the report)")
+    ap.add_argument("--out-dir", default=None, help="where RESULTS.md, results.json and the plots go")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on CPU (default 1: on the 2-vCPU VM two threads were slower and far "
+        "noisier; 0 keeps torch's default)",
+    )
+    ap.add_argument("--warm-cache", action="store_true", help="use the usual inductor cache instead of a cold one")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    size_key = "quick" if args.quick else args.device
+    names = args.models.split(",") if args.models else (["gpt"] if args.quick else DEFAULT_MODELS[args.device])
+    for n in names:
+        if n not in MODELS:
+            ap.error(f"unknown model {n!r}; known: {', '.join(MODELS)}")
+        if size_key not in MODELS[n].sizes and not (args.quick and args.device in MODELS[n].sizes):
+            ap.error(f"model {n!r} has no {size_key} size (it has: {', '.join(MODELS[n].sizes)})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
+    args.names = names
+    args.size_key = size_key
+    if args.out_dir is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        args.out_dir = os.path.join(here, "results", args.device + ("-quick" if args.quick else ""))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.device == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
+    # Every configuration compiles the same forward code object (one cache entry each, told
+    # apart by backend); Dynamo's default limit of 8 would silently fall back to eager.
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    opts = Options(device=args.device, steps=args.steps)
+    if args.quick:
+        opts.amb_values, opts.fxmem_points, opts.remat_only = (0.5,), 1, False
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    machine = machine_line(args.device)
+    command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    log(machine)
+    t0 = time.perf_counter()
+    os.makedirs(args.out_dir, exist_ok=True)
+    results, sections = [], []
+    for name in args.names:
+        spec = MODELS[name]
+        size_key = args.size_key if args.size_key in spec.sizes else args.device
+        result = bench_model(spec, size_key, opts, log)
+        png = f"pareto-{name}.png"
+        plot_pareto(result, os.path.join(args.out_dir, png), f" ({args.device}, torch {torch.__version__})")
+        results.append(result)
+        sections.append(render_model(result, png))
+        log(f"[{name}] done in {result.wall_s:.0f} s")
+    wall_s = time.perf_counter() - t0
+
+    header = [
+        f"# fxmem benchmarks, {args.device}{' (--quick)' if args.quick else ''}",
+        "",
+        f"Machine: {machine}.",
+        "",
+        f"Command: `{command.strip()}` — wall time {wall_s / 60:.1f} min for the whole run"
+        f"{' (cold inductor cache)' if not args.warm_cache else ''}.",
+        "",
+        f"Each step is forward + backward of a training step, fp32, no optimizer. {opts.steps} measured rounds; in "
+        "each, every configuration runs one step inside `fxmem.measure` (peak: the largest over the rounds) and one "
+        "plain timed step (median step time), configurations alternating in rotating order after one warm-up step "
+        "each. 'first call' is the warm-up step: compilation, fxmem's planning and one step. Anchors are every "
+        "configuration that is not fxmem. Gradients are compared once per configuration (relative L2 error, worst "
+        "parameter). MiB = 2**20 bytes.",
+        "",
+        "## Summary",
+        "",
+        summary_table(results),
+    ]
+    report = "\n".join(header) + "\n" + "\n".join(sections)
+    with open(os.path.join(args.out_dir, "RESULTS.md"), "w") as f:
+        f.write(report)
+    meta = {"machine": machine, "command": command.strip(), "wall_s": wall_s, "torch": torch.__version__}
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        f.write(to_json(results, meta))
+    print()
+    print(report)
+    log(f"wrote {args.out_dir}/RESULTS.md, results.json and {len(results)} plot(s) in {wall_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
