@@ -87,6 +87,24 @@ def _fusible(node: fx.Node) -> bool:
     return getattr(packet, "__name__", "") in _FUSIBLE_NON_POINTWISE or _view_like(node)
 
 
+def _tensor_bytes(val: object) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+# aten ops, run one by one, that allocate a temporary inside themselves (measured with the
+# profiler's allocator events): dropout's backward multiplies by the mask into one buffer and
+# scales into another; logsumexp writes exp(x - max) at the input's size before summing.
+_TRANSIENT = {
+    "aten.native_dropout_backward.default": lambda n: _tensor_bytes(n.meta.get("val")),
+    "aten.logsumexp.default": lambda n: _tensor_bytes(n.args[0].meta.get("val")),
+}
+
+
+def transient_bytes(node: fx.Node) -> int:
+    rule = _TRANSIENT.get(str(node.target)) if node.op == "call_function" else None
+    return rule(node) if rule is not None else 0
+
+
 def _view_like(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
@@ -179,6 +197,8 @@ class JointGraph:
     # Storages a fusing compiler writes to memory. A value that only feeds fusible ops is
     # computed inside its consumers' kernels unless it is saved or returned.
     materialized: list[bool] = field(default_factory=list)
+    # Bytes an op allocates and frees inside itself, on top of its output (see _TRANSIENT).
+    transient: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -283,7 +303,9 @@ class JointGraph:
         materialized = [True] * len(storage_bytes)
         if fusing:
             materialized = _materialized_storages(nodes, users, storage, len(storage_bytes))
+        transient = [0] * len(nodes) if fusing else [transient_bytes(n) for n in nodes]
         return cls(
+            transient=transient,
             materialized=materialized,
             gm=gm,
             num_fwd_outputs=num_fwd_outputs,

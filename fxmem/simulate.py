@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
+from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
 
 __all__ = ["InfeasibleSave", "Timeline", "simulate"]
 
@@ -171,11 +171,15 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             cur += charged[s]
             if events is not None:
                 events.append((t, s, charged[s]))
-        curve.append(cur)
+        extra = jg.transient[i] if jg.transient else 0  # inside the op: allocated, then freed
+        if extra and events is not None:
+            events.append((t, -2 - i, extra))
+            events.append((t, -2 - i, -extra))
+        curve.append(cur + extra)
         if t == snapshot_at:
             snapshot = frozenset(alive)
-        if cur > peak:
-            peak, peak_pos = cur, t
+        if cur + extra > peak:
+            peak, peak_pos = cur + extra, t
         for s in frees.get(t, ()):
             if s in alive:
                 alive.discard(s)
@@ -268,8 +272,9 @@ def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, 
                 free = last.get((k, phase), t)
             alive[k] = free
             cur += nbytes[k]
-        if cur > peak:
-            peak, peak_alive = cur, [names[a] for a in alive]
+        extra = transient_bytes(n) if n.op == "call_function" else 0
+        if cur + extra > peak:
+            peak, peak_alive = cur + extra, [names[a] for a in alive]
         for a in [a for a, f in alive.items() if f == t]:
             del alive[a]
             cur -= nbytes[a]
