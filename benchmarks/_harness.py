@@ -8,8 +8,9 @@ configuration runs before step i + 1 of any, and the order rotates every round, 
 moment of a shared machine is spread over all of them instead of landing on one.
 
 Per configuration: one warm-up step (compilation and fxmem's planning included: reported as
-"first call"), then `steps` rounds; in each round one step inside `fxmem.measure` (its peak)
-and one plain step timed with `time.perf_counter` (its time; CUDA is synchronised around it).
+"first call"), then `steps` rounds; in each round one plain step timed with
+`time.perf_counter` (its time; CUDA is synchronised around it), and in the first and the last
+round one more step inside `fxmem.measure` (the peak: the largest of these and the warm-up's).
 On CPU `fxmem.measure` runs the torch profiler, whose per-op overhead would bias the time
 against configurations that run many small ops (eager), hence the separate timed step.
 Gradients are compared once per configuration, on the first measured step, against the
@@ -314,7 +315,11 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
         eager = next((c for c in configs if c.kind == "eager" and c.ok), None)
         fractions = {int(f * eager.peak_bytes): f for f in opts.eager_fractions if eager} if eager else {}
         budgets = _fxmem_budgets(floor, top, anchor_peaks, opts.fxmem_points)
-        budgets += [b for b in fractions if b > floor and all(abs(b - x) > 0.02 * x for x in budgets)]
+        for b, f in fractions.items():
+            if b >= top:  # the unconstrained plan already fits: it would be the same plan
+                fx_free.notes.append(f"{f:.0%} of eager's peak ({b / MiB:.1f} MiB) is above this plan's peak")
+            elif b > floor and all(abs(b - x) > 0.02 * x for x in budgets):
+                budgets.append(b)
         for budget in sorted(budgets):
             label = "at its floor" if budget == floor else f"budget {budget / MiB:.0f} MiB"
             if budget in fractions:
@@ -357,8 +362,8 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
             try:
                 if rnd == 0:
                     _check_grads(runner, c, refs, spec.random_ops)
-                else:
-                    runner.measure(c)
+                elif rnd == opts.steps - 1:
+                    runner.measure(c)  # peaks are the same step after step; see the notes
                 runner.time_step(c)
             except Exception as e:  # noqa: BLE001
                 c.error = _first_line(e)

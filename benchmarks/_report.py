@@ -114,6 +114,8 @@ def render_model(result: Result, png_name: str | None) -> str:
             ratio = c.step_s / free.step_s
             verdict = "met" if ratio <= 1.10 else "**not met**"
             lines.append(f"- {c.name}: step {ratio:.2f}x fxmem's unconstrained step (goal ≤ 1.10x), {verdict}")
+    if free is not None:
+        lines += [f"- {free.name}: {n}, so that budget runs this same plan" for n in free.notes if "of eager's" in n]
     over = [c for c in configs if c.over_budget]
     lines.append(
         "- budgets: "

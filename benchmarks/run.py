@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command.strip()}` — wall time {wall_s / 60:.1f} min for the whole run"
         f"{' (cold inductor cache)' if not args.warm_cache else ''}.",
         "",
-        f"Each step is forward + backward of a training step, fp32, no optimizer. {opts.steps} measured rounds; in "
-        "each, every configuration runs one step inside `fxmem.measure` (peak: the largest over the rounds) and one "
-        "plain timed step (median step time), configurations alternating in rotating order after one warm-up step "
-        "each. 'first call' is the warm-up step: compilation, fxmem's planning and one step. Anchors are every "
+        f"Each step is forward + backward of a training step, fp32, no optimizer. {opts.steps} timed rounds; in "
+        "each, every configuration runs one plain timed step (median step time), configurations alternating in "
+        "rotating order after one warm-up step each; in the first and last rounds each also runs one step inside "
+        "`fxmem.measure` (peak: the largest of those and the warm-up's). 'first call' is the warm-up step: compilation, fxmem's planning and one step. Anchors are every "
         "configuration that is not fxmem. Gradients are compared once per configuration (relative L2 error, worst "
         "parameter). MiB = 2**20 bytes.",
         "",
