@@ -68,23 +68,39 @@ def source_line(node: fx.Node) -> str:
         return last
 
 
-_FUSIBLE_NON_POINTWISE = {
+# Fusible ops whose result inductor writes to a buffer of its own (which a kernel fused with
+# its only reader may keep to itself): reductions, and its seeded random numbers.
+_STORED = {
     "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all",
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
-    "native_layer_norm", "native_layer_norm_backward", "where", "clone", "expand",
+    "native_layer_norm", "native_layer_norm_backward", "inductor_random", "cat",
 }  # fmt: skip
+# Besides: element-wise ops without the pointwise tag; constants are computed in their readers.
+_FUSIBLE_NON_POINTWISE = _STORED | {"where", "clone", "expand", "full", "scalar_tensor", "iota"}
+# Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
+# inputs are copied into, by loops fused with the kernel around them.
+_WRITTEN_OUT = {"cat"}
+
+
+def _inlinable(node: fx.Node) -> bool:
+    """Fusible ops a reader's kernel can compute again element by element (not _STORED)."""
+    return _fusible(node) and _op_name(node) not in _STORED
 
 
 def _fusible(node: fx.Node) -> bool:
     """Ops inductor generates into fused loops (as opposed to library calls like mm)."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
-        return True
+    if node.target is operator.getitem:  # an output of a multi-output op: fusible if it is
+        return isinstance(node.args[0], fx.Node) and _fusible(node.args[0])
     if torch.Tag.pointwise in getattr(node.target, "tags", ()):
         return True
-    packet = getattr(node.target, "overloadpacket", None)
-    return getattr(packet, "__name__", "") in _FUSIBLE_NON_POINTWISE or _view_like(node)
+    return _op_name(node) in _FUSIBLE_NON_POINTWISE or _view_like(node)
+
+
+def _op_name(node: fx.Node) -> str:
+    """The aten op's name without its overload ("sum" for aten.sum.dim_IntList)."""
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
 
 
 def _tensor_bytes(val: object) -> int:
@@ -110,18 +126,96 @@ def _view_like(node: fx.Node) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
+def _folded_addmm(node: fx.Node, index: dict[fx.Node, int], users: list[list[int]]) -> int | None:
+    """The mm that inductor folds with `node` into one addmm (its position), or None.
+
+    Inductor rewrites `add(mm(a, b), c)` (either order) into `addmm(c, a, b)` when the mm has
+    no other reader and `c` is a tensor of the mm's dtype that broadcasts to its shape; on a
+    GPU it keeps them apart when every reader of the sum is pointwise. The addmm is a library
+    call: its output and `c` are written to memory, the mm's product never is on its own.
+    A sum accumulated over a loop of matmuls (the chunked loss's weight gradient) so holds the
+    running sum and the next one at once.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2:
+        return None
+    if node.kwargs.get("alpha", 1) != 1:
+        return None
+    for inp, mm in (node.args, node.args[::-1]):  # inductor tries add(c, mm) first
+        if not (isinstance(mm, fx.Node) and mm.target is torch.ops.aten.mm.default and isinstance(inp, fx.Node)):
+            continue
+        m, c = mm.meta.get("val"), inp.meta.get("val")
+        if len(users[index[mm]]) != 1 or not isinstance(m, torch.Tensor) or not isinstance(c, torch.Tensor):
+            continue
+        if (
+            c.dtype != m.dtype
+            or c.ndim > 2
+            or any(x not in (1, y) for x, y in zip(c.shape[::-1], m.shape[::-1], strict=False))
+        ):
+            continue
+        if m.device.type != "cpu" and all(torch.Tag.pointwise in getattr(u.target, "tags", ()) for u in node.users):
+            continue
+        return index[mm]
+    return None
+
+
 def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int) -> list[bool]:
-    """A storage is written to memory when some value in it is read by a non-fusible op."""
+    """A storage is written to memory when some value in it is read by a non-fusible op (an
+    add folded into an addmm counts as one; the mm's own product is never written)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    fusible = [_fusible(n) for n in nodes]
+    folded: set[int] = set()
+    for i, n in enumerate(nodes):
+        mm = _folded_addmm(n, index, users)
+        if mm is not None:
+            fusible[i] = False
+            folded.add(mm)
     mat = [False] * count
     for i, n in enumerate(nodes):
         s = storage[i]
-        if s < 0:
+        if s < 0 or i in folded:
             continue
-        if n.op == "placeholder" or not _fusible(n):
+        if n.op == "placeholder" or not fusible[i] or _op_name(n) in _WRITTEN_OUT:
             mat[s] = True
-        elif any(not _fusible(nodes[u]) for u in users[i]) or not users[i]:
+        elif any(not fusible[u] for u in users[i]) or not users[i]:
             mat[s] = True
     return mat
+
+
+# Ops whose value inductor stores, rather than computing it again inside every reader's
+# kernel, when several kernels read it (on CPU; see its `should_realize_on_reuse`).
+_HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
+_MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
+
+
+def _stored_on_reuse(
+    nodes: list[fx.Node], inputs: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]
+) -> list[bool]:
+    """Per node: a fusing compiler stores its value when more than one kernel reads it.
+
+    A pointwise value that is not written out is computed inside the kernel of each of its
+    readers. Inductor does that while the computation is cheap: it stores the value instead
+    when the chain of unstored ops behind it applies a heavy op (exp, log, ...; on CPU) or
+    reads more than four stored buffers.
+    """
+    heavy = [False] * len(nodes)
+    reads: list[frozenset[int]] = [frozenset()] * len(nodes)
+    for i, n in enumerate(nodes):
+        val = n.meta.get("val")
+        on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
+        h = on_cpu and _op_name(n) in _HEAVY_ON_CPU
+        r: set[int] = set()
+        for j in inputs[i]:
+            sj = storage[j]
+            if sj < 0:
+                continue
+            if mat[sj] or not inlinable[j]:
+                r.add(sj)
+            else:
+                h = h or heavy[j]
+                r |= reads[j]
+        heavy[i] = h
+        reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
+    return [h or len(r) > _MAX_INLINED_READS for h, r in zip(heavy, reads, strict=True)]
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
@@ -199,6 +293,12 @@ class JointGraph:
     materialized: list[bool] = field(default_factory=list)
     # Bytes an op allocates and frees inside itself, on top of its output (see _TRANSIENT).
     transient: list[int] = field(default_factory=list)
+    # Ops a fusing compiler generates into loops (pointwise, reductions, views; see _fusible).
+    fusible: list[bool] = field(default_factory=list)
+    # Of those, the ones a reader's kernel can compute again element by element (not reductions).
+    inlinable: list[bool] = field(default_factory=list)
+    # Values a fusing compiler stores when several kernels read them (see _stored_on_reuse).
+    stored_on_reuse: list[bool] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -304,7 +404,13 @@ class JointGraph:
         if fusing:
             materialized = _materialized_storages(nodes, users, storage, len(storage_bytes))
         transient = [0] * len(nodes) if fusing else [transient_bytes(n) for n in nodes]
+        fusible = [_fusible(n) for n in nodes] if fusing else []
+        inlinable = [_inlinable(n) for n in nodes] if fusing else []
+        stored_on_reuse = _stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
         return cls(
+            fusible=fusible,
+            inlinable=inlinable,
+            stored_on_reuse=stored_on_reuse,
             transient=transient,
             materialized=materialized,
             gm=gm,

@@ -3,15 +3,25 @@
 The forward runs the forward nodes in graph order. The backward runs the backward nodes from
 the first one that reads a gradient, and brings in what each needs just before it needs it:
 forward values that were not saved are recomputed there, in graph order (this is the order
-the emitted backward graph has, see `emit.py`). Every storage is freed after its last reader;
+the emitted backward graph has, see `partition._emit`). Every storage is freed after its last reader;
 saved storages live from the forward into the backward; outputs (the loss, gradients) live to
 the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+
+For a fusing compiler (inductor) the simulation follows its kernels rather than its ops: a
+value only fusible ops read is never stored, so its inputs live until its last reader (each
+reader's kernel computes it again); a kernel holds what it reads until it has written what it
+makes; recomputed values are stored unless their readers can compute them inline (see
+`graph._stored_on_reuse`). Each rule was checked against inductor's generated code and
+`fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
 
@@ -38,6 +48,8 @@ class Timeline:
     saved_interval: dict[int, tuple[int, int]]  # saved storage -> (alloc step, free step)
     kinds: list[str]  # per step: "fwd", "bwd" or "recompute"
     alive_at_snapshot: frozenset[int] = frozenset()
+    # recomputed storage that costs bytes -> (alloc step, free step) in the backward
+    recomputed_interval: dict[int, tuple[int, int]] = field(default_factory=dict)
     # With `record_events`: (step, storage, +bytes) when a storage is charged, (step, storage,
     # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files).
     events: list[tuple[int, int, int]] | None = None
@@ -135,6 +147,26 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             if s >= 0:
                 last[s] = t
 
+    # What a storage costs while alive: nothing if a fusing compiler never writes it out.
+    held = saved_sids | pinned_end
+    cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
+    rset = set(recomputed)
+
+    def inlined(i: int) -> bool:
+        """A recomputed value a fusing compiler never writes out: it is not materialised,
+        and the fusible ops that read it in the backward each compute it inside their own
+        kernel (a value several kernels read is stored when it is costly: see
+        graph._stored_on_reuse)."""
+        if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
+            return False
+        readers = [u for u in jg.users[i] if jg.kind[u] == BWD or u in rset]
+        if any(not jg.fusible[u] or storage[u] == storage[i] for u in readers):
+            return False
+        return len(readers) <= 1 or not jg.stored_on_reuse[i]
+
+    if jg.fusible:
+        _extend_through_unstored(jg, order, boundary, last_f, last_b, cost, rset, inlined)
+
     frees: dict[int, list[int]] = {}
     end = len(order)
     for s, t in last_f.items():
@@ -150,24 +182,53 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             continue
         frees.setdefault(end if s in pinned_end else t, []).append(s)
 
-    # What a storage costs while alive: nothing if a fusing compiler never writes it out.
-    held = saved_sids | pinned_end
-    cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
+    # A fused kernel frees what it last reads when it ends, or writes an output of the same
+    # size over it (inductor reuses a buffer that dies in the kernel that makes the new one).
+    reusable: dict[int, list[int]] = {}  # kernel end -> storages last read inside that kernel
+    last_read_at: dict[int, int] = {}
+    kernel_end: list[int] = []
+    if jg.fusible:
+        kernel_end = _kernel_ends([jg.fusible[i] for i in order])
+        moved: dict[int, list[int]] = {}
+        for t, sids in frees.items():
+            k = kernel_end[t] if t < len(order) else t
+            moved.setdefault(k, []).extend(sids)
+            if k != t:
+                reusable.setdefault(k, []).extend(sids)
+                last_read_at.update((s, t) for s in sids)
+        frees = moved
+
     alive: set[int] = set()
     charged: dict[int, int] = {}
     snapshot: frozenset[int] = frozenset()
     alloc_at: dict[int, int] = {}
+    made_by: dict[int, int] = {}  # storage -> the node that allocated it
     cur = peak = peak_pos = 0
     curve = []
-    rset = set(recomputed)
+    recomputed_sids = {storage[i] for i in recomputed}
+    recomputed_interval: dict[int, tuple[int, int]] = {}
     for t, i in enumerate(order):
         s = storage[i]
         if s >= 0 and s not in static and s not in alive:
             alive.add(s)
             alloc_at[s] = t
-            # Recomputed values are written out in full: fused or not, the backward kernels
-            # that read them are scheduled apart from the ones that make them.
-            charged[s] = sbytes[s] if i in rset else cost[s]
+            made_by[s] = i
+            # Recomputed values are written out in full, unless a fusing compiler can compute
+            # them inside the kernels that read them (see `inlined`).
+            charged[s] = sbytes[s] if i in rset and not inlined(i) else cost[s]
+            for r in reusable.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
+                if (
+                    r in alive
+                    and jg.fusible[made_by[r]]
+                    and last_read_at[r] <= t
+                    and charged[r] == charged[s]
+                    and _reads_in_place(jg, i, r, cost)
+                ):
+                    alive.discard(r)  # the new value is written over it
+                    cur -= charged[r]
+                    if events is not None:
+                        events.append((t, r, -charged[r]))
+                    break
             cur += charged[s]
             if events is not None:
                 events.append((t, s, charged[s]))
@@ -184,6 +245,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             if s in alive:
                 alive.discard(s)
                 cur -= charged[s]
+                if s in recomputed_sids and charged[s] and alloc_at[s] >= boundary:
+                    recomputed_interval[s] = (alloc_at[s], t)
                 if events is not None:
                     events.append((t, s, -charged[s]))
 
@@ -204,7 +267,67 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         kinds=kinds,
         alive_at_snapshot=snapshot,
         events=events,
+        recomputed_interval=recomputed_interval,
     )
+
+
+def _extend_through_unstored(
+    jg: JointGraph,
+    order: list[int],
+    boundary: int,
+    last_f: dict[int, int],
+    last_b: dict[int, int],
+    cost: list[int],
+    rset: set[int],
+    inlined: Callable[[int], bool],
+) -> None:
+    """Keep the inputs of values a fusing compiler never stores alive until those values' last
+    readers: each reader's kernel computes the value again from them."""
+    storage = jg.storage
+    for t in range(len(order) - 1, -1, -1):
+        i = order[t]
+        s = storage[i]
+        if s < 0 or cost[s] or not jg.inlinable[i] or (t >= boundary and i in rset and not inlined(i)):
+            continue
+        last = last_f if t < boundary else last_b
+        until = last.get(s, t)
+        for j in jg.inputs[i]:
+            sj = storage[j]
+            if sj >= 0 and sj != s and last.get(sj, -1) < until:
+                last[sj] = until
+
+
+def _reads_in_place(jg: JointGraph, i: int, r: int, cost: list[int]) -> bool:
+    """Whether node `i` reads storage `r` at the very index it writes, directly or through
+    values its kernel computes inline: only then does inductor write its output over `r`."""
+    want = jg.nodes[i].meta.get("val")
+    if not isinstance(want, torch.Tensor):
+        return False
+    stack, seen = list(jg.inputs[i]), set()
+    while stack:
+        j = stack.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        sj = jg.storage[j]
+        if sj == r:
+            got = jg.nodes[j].meta.get("val")
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and got.stride() == want.stride():
+                return True
+        elif sj >= 0 and not cost[sj] and jg.inlinable[j]:
+            stack.extend(jg.inputs[j])
+    return False
+
+
+def _kernel_ends(fusible: list[bool]) -> list[int]:
+    """Per step, the last step of the run of fusible ops it belongs to (itself if none): a
+    fusing compiler runs such a run as one kernel, which holds every buffer it reads until it
+    has written every buffer it makes."""
+    end = list(range(len(fusible)))
+    for t in range(len(fusible) - 2, -1, -1):
+        if fusible[t] and fusible[t + 1]:
+            end[t] = end[t + 1]
+    return end
 
 
 def _storage_key(node, remap: dict[int, int]) -> int | None:
