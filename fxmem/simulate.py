@@ -219,10 +219,9 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             for r in reusable.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
-                    and jg.fusible[made_by[r]]
                     and last_read_at[r] <= t
                     and charged[r] == charged[s]
-                    and _reads_in_place(jg, i, r, cost)
+                    and _reads_in_place(jg, i, made_by[r], cost)
                 ):
                     alive.discard(r)  # the new value is written over it
                     cur -= charged[r]
@@ -297,12 +296,18 @@ def _extend_through_unstored(
                 last[sj] = until
 
 
-def _reads_in_place(jg: JointGraph, i: int, r: int, cost: list[int]) -> bool:
-    """Whether node `i` reads storage `r` at the very index it writes, directly or through
-    values its kernel computes inline: only then does inductor write its output over `r`."""
-    want = jg.nodes[i].meta.get("val")
-    if not isinstance(want, torch.Tensor):
+def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool:
+    """Whether node `i` reads the buffer `maker` wrote at the very index it writes, directly or
+    through values its kernel computes inline: only then does inductor write its output over
+    that buffer. The buffer's layout is its maker's: `i` must have the maker's shape and
+    strides (a bmm's (B*H, T, T) output read as (B, H, T, T) is not overwritten) and read it
+    through views that keep them (not a transpose)."""
+    want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
+    if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
         return False
+    if want.shape != made.shape or want.stride() != made.stride():
+        return False
+    r = jg.storage[maker]
     stack, seen = list(jg.inputs[i]), set()
     while stack:
         j = stack.pop()

@@ -261,16 +261,18 @@ def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
 
 def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index():
     """Inductor writes a kernel's output over a buffer that dies in it only when the output
-    reads that buffer element for element where it writes; through a transpose it does not."""
+    reads that buffer element for element where it writes, in the layout the buffer was made
+    with: not through a transpose, nor through a view of another shape."""
 
     def f(x):
         e = x.exp()
-        return e * 2.0, e.t().contiguous()
+        return e * 2.0, e.t().contiguous(), e.view(4, 16) * 3.0
 
     nodes, _ = _aten_graph(f, torch.randn(8, 8))
     named = {n.name: i for i, n in enumerate(nodes)}
     storage = list(range(len(nodes)))
-    storage[named["t"]] = storage[named["exp"]]  # a view shares its base's storage
+    for view in ("t", "view"):
+        storage[named[view]] = storage[named["exp"]]  # a view shares its base's storage
     jg = SimpleNamespace(
         nodes=nodes,
         inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
@@ -278,9 +280,10 @@ def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index(
         inlinable=[_inlinable(n) for n in nodes],
     )
     cost = [1] * len(nodes)
-    exp = storage[named["exp"]]
+    exp = named["exp"]
     assert _reads_in_place(jg, named["mul"], exp, cost)
     assert not _reads_in_place(jg, named["clone"], exp, cost)
+    assert not _reads_in_place(jg, named["mul_1"], exp, cost)
 
 
 def _vit_small():
