@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fxmem.backend import COMPILERS, Options, fxmem_backend
+from fxmem.backend import COMPILERS, Options, fxmem_backend, held_while_capturing
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
@@ -159,7 +159,8 @@ class FxmemModule(nn.Module):
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         try:
-            self(*args, **kwargs)
+            with held_while_capturing(buffers.values()):
+                self(*args, **kwargs)
         finally:
             with torch.no_grad():
                 for k, b in model.named_buffers():

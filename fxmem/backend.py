@@ -8,10 +8,11 @@ here, once, into an `Options`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,22 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+# Storages (data pointers) fxmem itself holds only while it captures a graph, such as the
+# copy of the buffers `FxmemModule.plan_for` restores: not alive during the user's steps.
+_capture_only: set[int] = set()
+
+
+@contextlib.contextmanager
+def held_while_capturing(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Leave these tensors out of what a capture inside the block counts as alive."""
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors} - _capture_only
+    _capture_only.update(ptrs)
+    try:
+        yield
+    finally:
+        _capture_only.difference_update(ptrs)
+
+
 def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[str, int]:
     """What is alive on the device as the step starts, by category."""
     seen: set[int] = set()
@@ -171,7 +188,7 @@ def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[s
                 params += st.nbytes()
             else:
                 other_inputs += st.nbytes()
-    live = live_tensor_bytes(device)
+    live = live_tensor_bytes(device, exclude=_capture_only)
     out = {"parameters": params, "inputs and buffers": other_inputs}
     if grads:
         out["existing gradients"] = grads

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +120,9 @@ def _live_storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
     return found
 
 
-def live_tensor_bytes(device: torch.device | str | int) -> int:
-    """Bytes of the unique storages of live Python-visible tensors on ``device``.
+def live_tensor_bytes(device: torch.device | str | int, exclude: Collection[int] = ()) -> int:
+    """Bytes of the unique storages of live Python-visible tensors on ``device`` (less the
+    storages whose data pointers are in ``exclude``).
 
     Runs ``gc.collect()`` first, then scans ``gc.get_objects()``. Storages shared
     by views are counted once (deduplicated by data pointer). The ``.grad`` of
@@ -132,7 +133,7 @@ def live_tensor_bytes(device: torch.device | str | int) -> int:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return sum(s.nbytes() for s in _live_storages(device).values())
+    return sum(s.nbytes() for p, s in _live_storages(device).items() if p not in exclude)
 
 
 def _entry_storages() -> dict[int, tuple[int, StorageWeakRef]]:

@@ -12,6 +12,7 @@ import torch.nn as nn
 from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_grads
 
 import fxmem
+from fxmem.measure import live_tensor_bytes
 from fxmem.testing import GPT, ConvNet, GPTConfig, gpt_batch
 
 MiB = 2**20
@@ -184,6 +185,27 @@ def test_example_inputs_plan_before_first_call_without_side_effects():
     assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_planning_ahead_does_not_reserve_its_own_copy_of_the_buffers():
+    """plan_for copies the buffers to put them back afterwards; that copy is gone before the
+    first step, so the plan must not count it among the tensors alive through the step."""
+
+    class Tabled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.register_buffer("table", torch.ones(1024, 1024))  # 4 MiB
+
+        def forward(self, x):
+            return (self.lin(x) * self.table[:64, :64]).sum()
+
+    model, x = Tabled(), torch.randn(64, 64)
+    owned = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers(), x])
+    others_before = live_tensor_bytes("cpu") - owned
+    m = fxmem.optimize(model, 0.5, example_inputs=(x,), compiler="eager")
+    assert m.plan.breakdown["inputs and buffers"] >= 4 * 2**20
+    assert m.plan.breakdown["other live tensors"] < others_before + 2**20
 
 
 def test_kwargs_and_model_output():
