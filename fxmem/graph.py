@@ -158,9 +158,9 @@ def _folded_addmm(node: fx.Node, index: dict[fx.Node, int], users: list[list[int
     return None
 
 
-def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int) -> list[bool]:
-    """A storage is written to memory when some value in it is read by a non-fusible op (an
-    add folded into an addmm counts as one; the mm's own product is never written)."""
+def _kernel_ops(nodes: list[fx.Node], users: list[list[int]]) -> tuple[list[bool], set[int]]:
+    """Per node, whether inductor generates it into a fused loop (an add folded into an addmm
+    is a library call); and the mm nodes folded so."""
     index = {n: i for i, n in enumerate(nodes)}
     fusible = [_fusible(n) for n in nodes]
     folded: set[int] = set()
@@ -169,6 +169,13 @@ def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage
         if mm is not None:
             fusible[i] = False
             folded.add(mm)
+    return fusible, folded
+
+
+def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int) -> list[bool]:
+    """A storage is written to memory when some value in it is read by a non-fusible op (an
+    add folded into an addmm counts as one; the mm's own product is never written)."""
+    fusible, folded = _kernel_ops(nodes, users)
     mat = [False] * count
     for i, n in enumerate(nodes):
         s = storage[i]
@@ -404,7 +411,7 @@ class JointGraph:
         if fusing:
             materialized = _materialized_storages(nodes, users, storage, len(storage_bytes))
         transient = [0] * len(nodes) if fusing else [transient_bytes(n) for n in nodes]
-        fusible = [_fusible(n) for n in nodes] if fusing else []
+        fusible = _kernel_ops(nodes, users)[0] if fusing else []
         inlinable = [_inlinable(n) for n in nodes] if fusing else []
         stored_on_reuse = _stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
         return cls(

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
-from fxmem.graph import JointGraph, _aliased_input, _inlinable, _materialized_storages
+from fxmem.graph import JointGraph, _aliased_input, _inlinable, _kernel_ops, _materialized_storages
 from fxmem.planner import plan_trajectory
 from fxmem.simulate import _kernel_ends, _reads_in_place, simulate, simulate_modules
 from fxmem.testing import GPT, GPTConfig, ViT, ViTConfig, gpt_batch, vit_batch
@@ -232,6 +232,9 @@ def test_a_matmul_sum_accumulated_over_a_loop_holds_two_sums():
     assert all(mat[i] for i in adds), "each running sum is an addmm's output"
     assert mat[mms[0]], "the first product is the first addmm's input"
     assert not any(mat[i] for i in mms[1:]), "the other products are written straight into the sums"
+    fusible, folded = _kernel_ops(nodes, users)
+    assert folded == set(mms[1:])
+    assert not any(fusible[i] for i in adds), "an addmm is a library call: it never overwrites the sum it reads"
 
 
 def test_a_fused_kernel_holds_what_it_reads_until_it_ends():
