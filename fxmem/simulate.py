@@ -3,16 +3,17 @@
 The forward runs the forward nodes in graph order. The backward runs the backward nodes from
 the first one that reads a gradient, and brings in what each needs just before it needs it:
 forward values that were not saved are recomputed there, in graph order (this is the order
-the emitted backward graph has, see `partition._emit`). Every storage is freed after its last reader;
-saved storages live from the forward into the backward; outputs (the loss, gradients) live to
-the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+the emitted backward graph has, see `partition._emit`). Every storage is freed after its last
+reader; saved storages live from the forward into the backward; outputs (the loss, gradients)
+live to the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
 
 For a fusing compiler (inductor) the simulation follows its kernels rather than its ops: a
 value only fusible ops read is never stored, so its inputs live until its last reader (each
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
-makes; recomputed values are stored unless their readers can compute them inline (see
-`graph._stored_on_reuse`). Each rule was checked against inductor's generated code and
-`fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
+makes, and writes its output over a buffer that dies in it when it reads that buffer at the
+index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
+compute them inline (see `graph._stored_on_reuse`). Each rule was checked against inductor's
+generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 """
 
 from __future__ import annotations
