@@ -83,7 +83,10 @@ _WRITTEN_OUT = {"cat"}
 
 
 def _inlinable(node: fx.Node) -> bool:
-    """Fusible ops a reader's kernel can compute again element by element (not _STORED)."""
+    """Fusible ops a reader's kernel can compute again element by element (not _STORED; an
+    output of a multi-output op, such as layer norm's mean, is inlinable when that op is)."""
+    if node.target is operator.getitem:
+        return _fusible(node) and _inlinable(node.args[0])
     return _fusible(node) and _op_name(node) not in _STORED
 
 

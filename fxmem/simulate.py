@@ -186,7 +186,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one).
     reusable: dict[int, list[int]] = {}  # kernel end -> storages last read inside that kernel
-    last_read_at: dict[int, int] = {}
+    last_read_at: dict[tuple[int, int], int] = {}  # (kernel end, storage) -> step of the last read
     kernel_end: list[int] = []
     if jg.fusible:
         kernel_end = _kernel_ends([jg.fusible[i] for i in order])
@@ -196,7 +196,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             moved.setdefault(k, []).extend(sids)
             if k != t:
                 reusable.setdefault(k, []).extend(sids)
-                last_read_at.update((s, t) for s in sids)
+                last_read_at.update(((k, s), t) for s in sids)
         frees = moved
 
     alive: set[int] = set()
@@ -220,11 +220,13 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             for r in reusable.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
-                    and last_read_at[r] <= t
+                    and last_read_at[kernel_end[t], r] <= t
                     and charged[r] == charged[s]
                     and _reads_in_place(jg, i, made_by[r], cost)
                 ):
                     alive.discard(r)  # the new value is written over it
+                    if r in recomputed_sids and alloc_at[r] >= boundary:
+                        recomputed_interval[r] = (alloc_at[r], t)
                     cur -= charged[r]
                     if events is not None:
                         events.append((t, r, -charged[r]))

@@ -262,6 +262,20 @@ def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
     assert getitems and all(mat[i] for i in getitems)
 
 
+def test_the_outputs_of_a_reduction_are_stored_not_computed_again():
+    """var_mean's outputs, like layer norm's mean and rstd, are written by the reduction's
+    kernel: a reader cannot compute them element by element."""
+
+    def f(x):
+        var, mean = torch.var_mean(x, dim=1, keepdim=True)
+        return (x - mean) * var
+
+    nodes, _ = _aten_graph(f, torch.randn(8, 8))
+    getitems = [n for n in nodes if n.target is operator.getitem]
+    assert len(getitems) == 2 and not any(_inlinable(n) for n in getitems)
+    assert all(_inlinable(n) for n in nodes if n.target is torch.ops.aten.sub.Tensor)
+
+
 def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index():
     """Inductor writes a kernel's output over a buffer that dies in it only when the output
     reads that buffer element for element where it writes, in the layout the buffer was made
