@@ -86,7 +86,7 @@ def _inlinable(node: fx.Node) -> bool:
     """Fusible ops a reader's kernel can compute again element by element (not _STORED; an
     output of a multi-output op, such as layer norm's mean, is inlinable when that op is)."""
     if node.target is operator.getitem:
-        return _fusible(node) and _inlinable(node.args[0])
+        return isinstance(node.args[0], fx.Node) and _inlinable(node.args[0])
     return _fusible(node) and _op_name(node) not in _STORED
 
 
@@ -175,10 +175,12 @@ def _kernel_ops(nodes: list[fx.Node], users: list[list[int]]) -> tuple[list[bool
     return fusible, folded
 
 
-def _materialized_storages(nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int) -> list[bool]:
+def _materialized_storages(
+    nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int, fusible: list[bool], folded: set[int]
+) -> list[bool]:
     """A storage is written to memory when some value in it is read by a non-fusible op (an
-    add folded into an addmm counts as one; the mm's own product is never written)."""
-    fusible, folded = _kernel_ops(nodes, users)
+    add folded into an addmm counts as one; the mm's own product is never written). `fusible`
+    and `folded` come from `_kernel_ops`."""
     mat = [False] * count
     for i, n in enumerate(nodes):
         s = storage[i]
@@ -411,10 +413,10 @@ class JointGraph:
         tangent_users = [u for i in range(len(nodes)) if kind[i] == TANGENT for u in users[i]]
         first_bwd = min(tangent_users) if tangent_users else len(nodes)
         materialized = [True] * len(storage_bytes)
+        fusible, folded = _kernel_ops(nodes, users) if fusing else ([], set())
         if fusing:
-            materialized = _materialized_storages(nodes, users, storage, len(storage_bytes))
+            materialized = _materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
         transient = [0] * len(nodes) if fusing else [transient_bytes(n) for n in nodes]
-        fusible = _kernel_ops(nodes, users)[0] if fusing else []
         inlinable = [_inlinable(n) for n in nodes] if fusing else []
         stored_on_reuse = _stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
         return cls(

@@ -110,11 +110,14 @@ def _save_instead(jg: JointGraph, tl: Timeline, saved: list[bool], tried: set[in
     """
     rset = set(tl.recomputed)
     saved_sids = set(tl.saved_interval)
+    groups: dict[int, list[int]] = {}
+    for i in tl.recomputed:
+        groups.setdefault(jg.storage[i], []).append(i)
     moves = []
     for sid, (a, f) in tl.recomputed_interval.items():
         if not a <= tl.peak_pos <= f or sid in tried:
             continue
-        group = [i for i in tl.recomputed if jg.storage[i] == sid]
+        group = groups.get(sid, [])
         readers = {u for i in group for u in jg.users[i] if jg.storage[u] != sid and (u in rset or jg.kind[u] != FWD)}
         if not readers or any(jg.kind[u] != FWD or jg.storage[u] < 0 or saved[u] for u in readers):
             continue

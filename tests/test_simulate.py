@@ -225,7 +225,7 @@ def test_a_matmul_sum_accumulated_over_a_loop_holds_two_sums():
         return acc * 2.0
 
     nodes, users = _aten_graph(accumulate, torch.randn(4, 8, 16), torch.randn(4, 8, 32))
-    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes))
+    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *_kernel_ops(nodes, users))
     adds = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.add.Tensor]
     mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
     assert len(adds) == 3 and len(mms) == 4
@@ -254,7 +254,7 @@ def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
         return both, top
 
     nodes, users = _aten_graph(f, torch.randn(8, 8))
-    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes))
+    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *_kernel_ops(nodes, users))
     named = {n.name: i for i, n in enumerate(nodes)}
     assert mat[named["cat"]]
     assert not mat[named["sin"]] and not mat[named["cos"]], "computed inside the copies into the cat"
