@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem.cost import CostModel
+from fxmem.probe import workspace_bytes
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph", "module_path", "source_line"]
 
@@ -30,18 +31,33 @@ def _is_random(node: fx.Node) -> bool:
     target = node.target
     tags = getattr(target, "tags", ())
     if _RANDOM_TAG in tags:
-        return True
+        return not _dropout_off(node)
     name = str(target)
     # inductor's seed generator draws from the global generator; inductor_random given a
     # seed is a pure function of it and may be recomputed.
     return "inductor_seeds" in name
 
 
+def _dropout_off(node: fx.Node) -> bool:
+    """A seeded op whose only randomness is a `dropout_p` argument, called with 0 (attention
+    without dropout): its outputs are a pure function of its inputs."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for pos, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[pos] if pos < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
 def _is_impure(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True
-    return node.op == "call_function" and node.is_impure() and not _is_random(node)
+    # fx counts seeded ops as impure; their randomness is `_is_random`'s to judge.
+    seeded = _RANDOM_TAG in getattr(node.target, "tags", ())
+    return node.op == "call_function" and node.is_impure() and not seeded
 
 
 def module_path(node: fx.Node) -> str:
@@ -416,7 +432,8 @@ class JointGraph:
         fusible, folded = _kernel_ops(nodes, users) if fusing else ([], set())
         if fusing:
             materialized = _materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
-        transient = [0] * len(nodes) if fusing else [transient_bytes(n) for n in nodes]
+        # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
+        transient = [workspace_bytes(n) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [_inlinable(n) for n in nodes] if fusing else []
         stored_on_reuse = _stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
         return cls(

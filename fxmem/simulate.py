@@ -19,12 +19,14 @@ generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
+from fxmem.probe import workspace_bytes
 
 __all__ = ["InfeasibleSave", "Timeline", "simulate"]
 
@@ -208,7 +210,17 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     curve = []
     recomputed_sids = {storage[i] for i in recomputed}
     recomputed_interval: dict[int, tuple[int, int]] = {}
+    made_at = _outputs_made_at(jg, order)
     for t, i in enumerate(order):
+        for s in made_at.get(t, ()):
+            if s not in alive:  # a library call writes all its outputs while its inputs live
+                alive.add(s)
+                alloc_at[s] = t
+                made_by[s] = i
+                charged[s] = sbytes[s]
+                cur += charged[s]
+                if events is not None:
+                    events.append((t, s, charged[s]))
         s = storage[i]
         if s >= 0 and s not in static and s not in alive:
             alive.add(s)
@@ -273,6 +285,23 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     )
 
 
+def _outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:
+    """Step -> storages of the outputs a multi-output library call (attention, its backward)
+    writes at that step: all of them, before it frees what it read, though the graph takes
+    them out one `getitem` at a time afterwards."""
+    pos = {i: t for t, i in enumerate(order)}
+    out: dict[int, list[int]] = {}
+    for t, i in enumerate(order):
+        if jg.storage[i] >= 0 or (jg.fusible and jg.fusible[i]):
+            continue
+        inputs = {jg.storage[j] for j in jg.inputs[i]}
+        for u in jg.users[i]:
+            s = jg.storage[u]
+            if jg.nodes[u].target is operator.getitem and s >= 0 and s not in inputs and pos.get(u, -1) > t:
+                out.setdefault(t, []).append(s)
+    return out
+
+
 def _extend_through_unstored(
     jg: JointGraph,
     order: list[int],
@@ -303,28 +332,55 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     """Whether node `i` reads the buffer `maker` wrote at the very index it writes, directly or
     through values its kernel computes inline: only then does inductor write its output over
     that buffer. The buffer's layout is its maker's: `i` must have the maker's shape and
-    strides (a bmm's (B*H, T, T) output read as (B, H, T, T) is not overwritten) and read it
-    through views that keep them (not a transpose)."""
+    strides, or be a reshape of it that no reduction reads (an mm's (B*T, 4C) output read as
+    (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
+    (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
+    transpose)."""
     want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
         return False
-    if want.shape != made.shape or want.stride() != made.stride():
-        return False
     r = jg.storage[maker]
-    stack, seen = list(jg.inputs[i]), set()
+    if not (want.shape == made.shape and want.stride() == made.stride()):
+        if not _same_layout(want, made) or _reduced(jg, r, cost):
+            return False
+
+    def through(j: int) -> list[int]:  # values i's kernel computes inline: their inputs too
+        sj = jg.storage[j]
+        return jg.inputs[j] if sj != r and sj >= 0 and not cost[sj] and jg.inlinable[j] else []
+
+    for j in _reach(jg.inputs[i], through):
+        got = jg.nodes[j].meta.get("val")
+        if jg.storage[j] == r and isinstance(got, torch.Tensor):
+            if got.shape == want.shape and got.stride() == want.stride():
+                return True
+    return False
+
+
+def _reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int]:
+    """Each node reachable from `starts`, once, going on from a node to `onward(node)`."""
+    stack, seen = list(starts), set()
     while stack:
         j = stack.pop()
-        if j in seen:
-            continue
-        seen.add(j)
-        sj = jg.storage[j]
-        if sj == r:
-            got = jg.nodes[j].meta.get("val")
-            if isinstance(got, torch.Tensor) and got.shape == want.shape and got.stride() == want.stride():
-                return True
-        elif sj >= 0 and not cost[sj] and jg.inlinable[j]:
-            stack.extend(jg.inputs[j])
-    return False
+        if j not in seen:
+            seen.add(j)
+            yield j
+            stack.extend(onward(j))
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two dense row-major tensors hold as many elements (one is a reshape of the other)."""
+    return a.numel() == b.numel() and a.is_contiguous() and b.is_contiguous()
+
+
+def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:
+    """Whether a reduction reads storage `r`, directly or through values computed inline."""
+
+    def onward(u: int) -> list[int]:  # views of r, and values computed inline from it
+        su = jg.storage[u]
+        return jg.users[u] if su == r or (su >= 0 and not cost[su] and jg.inlinable[u]) else []
+
+    readers = [u for j, s in enumerate(jg.storage) if s == r for u in jg.users[j]]
+    return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in _reach(readers, onward))
 
 
 def _kernel_ends(fusible: list[bool]) -> list[int]:
@@ -403,7 +459,7 @@ def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, 
                 free = last.get((k, phase), t)
             alive[k] = free
             cur += nbytes[k]
-        extra = transient_bytes(n) if n.op == "call_function" else 0
+        extra = transient_bytes(n) + workspace_bytes(n) if n.op == "call_function" else 0
         if cur + extra > peak:
             peak, peak_alive = cur + extra, [names[a] for a in alive]
         for a in [a for a, f in alive.items() if f == t]:

@@ -42,8 +42,9 @@ def test_budget_held_and_gradients_exact_gpt(fraction):
     assert abs(plan.predicted_peak_bytes - got.peak_bytes) <= 0.15 * got.peak_bytes
     assert max_rel_err(grads_of(model), ref) < 1e-4
     assert torch.allclose(got.result, eager.result, rtol=1e-5)
-    if fraction <= 0.6:
-        assert plan.recomputed, "a budget this tight needs recomputation"
+    if plan.unconstrained_peak_bytes > plan.budget_bytes:
+        assert plan.recomputed, "the save-everything plan does not fit: recomputation is needed"
+    assert fraction > 0.5 or plan.recomputed, "at half of eager's peak even the rewritten graph must recompute"
 
 
 @pytest.mark.slow

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import small_gpt, step
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -15,9 +17,18 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
-from fxmem.graph import JointGraph, _aliased_input, _inlinable, _kernel_ops, _materialized_storages
+from fxmem.graph import (
+    JointGraph,
+    _aliased_input,
+    _inlinable,
+    _is_impure,
+    _is_random,
+    _kernel_ops,
+    _materialized_storages,
+)
 from fxmem.planner import plan_trajectory
-from fxmem.simulate import _kernel_ends, _reads_in_place, simulate, simulate_modules
+from fxmem.probe import workspace_bytes
+from fxmem.simulate import _kernel_ends, _outputs_made_at, _reads_in_place, simulate, simulate_modules
 from fxmem.testing import GPT, GPTConfig, ViT, ViTConfig, gpt_batch, vit_batch
 
 
@@ -34,11 +45,21 @@ def _capture_emits(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("budget_gb", [1.0, 0.022])
+def _floor_gb(model, batch):
+    try:
+        fxmem.optimize(model, 1e-6, compiler="eager", example_inputs=batch)
+    except fxmem.BudgetError as err:
+        return err.floor_bytes / 2**30
+    raise AssertionError("a 1 KiB budget was accepted")
+
+
+@pytest.mark.parametrize("budget_gb", [1.0, "floor"])
 def test_planned_schedule_matches_emitted_graphs(monkeypatch, budget_gb):
     seen = _capture_emits(monkeypatch)
     model, batch = small_gpt()
-    step(fxmem.optimize(model, budget_gb, compiler="eager"), *batch)
+    if budget_gb == "floor":
+        budget_gb = _floor_gb(model, batch)
+    step(fxmem.optimize(model, budget_gb, compiler="eager", example_inputs=batch), *batch)
     (jg, choice, fw, bw) = seen[-1]
     emitted = [n.name for n in bw.graph.nodes if n.op == "call_function"]
     tl = choice.timeline
@@ -276,31 +297,97 @@ def test_the_outputs_of_a_reduction_are_stored_not_computed_again():
     assert all(_inlinable(n) for n in nodes if n.target is torch.ops.aten.sub.Tensor)
 
 
+def _in_place_case(f, *args):
+    nodes, _ = _aten_graph(f, *args)
+    named = {n.name: i for i, n in enumerate(nodes)}
+    storage = list(range(len(nodes)))
+    for n in nodes:  # a view shares its base's storage
+        if n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default):
+            storage[named[n.name]] = storage[named[n.args[0].name]]
+    fusible, _ = _kernel_ops(nodes, [[named[u.name] for u in n.users if u.name in named] for n in nodes])
+    jg = SimpleNamespace(
+        nodes=nodes,
+        inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
+        users=[[named[u.name] for u in n.users if u.name in named] for n in nodes],
+        storage=storage,
+        fusible=fusible,
+        inlinable=[_inlinable(n) for n in nodes],
+    )
+    return jg, named, [1] * len(nodes)
+
+
 def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index():
     """Inductor writes a kernel's output over a buffer that dies in it only when the output
-    reads that buffer element for element where it writes, in the layout the buffer was made
-    with: not through a transpose, nor through a view of another shape."""
+    reads that buffer element for element where it writes: not through a transpose. A reshape
+    keeps every element where it was (GELU's backward overwrites the (B*T, 4C) matmul output
+    it reads as (B, T, 4C)), unless a reduction reads the buffer too (a softmax over a bmm's
+    (B*H, T, T) scores read as (B, H, T, T) is written elsewhere)."""
 
     def f(x):
         e = x.exp()
         return e * 2.0, e.t().contiguous(), e.view(4, 16) * 3.0
 
-    nodes, _ = _aten_graph(f, torch.randn(8, 8))
-    named = {n.name: i for i, n in enumerate(nodes)}
-    storage = list(range(len(nodes)))
-    for view in ("t", "view"):
-        storage[named[view]] = storage[named["exp"]]  # a view shares its base's storage
-    jg = SimpleNamespace(
-        nodes=nodes,
-        inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
-        storage=storage,
-        inlinable=[_inlinable(n) for n in nodes],
-    )
-    cost = [1] * len(nodes)
+    jg, named, cost = _in_place_case(f, torch.randn(8, 8))
     exp = named["exp"]
     assert _reads_in_place(jg, named["mul"], exp, cost)
     assert not _reads_in_place(jg, named["clone"], exp, cost)
-    assert not _reads_in_place(jg, named["mul_1"], exp, cost)
+    assert _reads_in_place(jg, named["mul_1"], exp, cost)
+
+    def g(x):
+        e = x.exp()
+        return e.view(4, 16) * 3.0, e.amax(dim=1)
+
+    jg, named, cost = _in_place_case(g, torch.randn(8, 8))
+    assert not _reads_in_place(jg, named["mul"], named["exp"], cost)
+
+
+def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
+    """Attention's backward returns three gradients: all three are allocated while q, k, v
+    and the incoming gradient are still alive, though the graph takes them out one by one."""
+
+    def f(q, k, v):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+        return out[0] * 2.0, out[1] * 3.0
+
+    nodes, users = _aten_graph(f, *(torch.randn(1, 2, 8, 4) for _ in range(3)))
+    order = list(range(len(nodes)))
+    named = {n.name: i for i, n in enumerate(nodes)}
+    jg = SimpleNamespace(
+        nodes=nodes,
+        inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
+        users=users,
+        storage=[-1 if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default else i
+                 for i, n in enumerate(nodes)],
+        fusible=[],
+    )  # fmt: skip
+    call = next(i for i, n in enumerate(nodes) if "flash" in str(n.target))
+    made = _outputs_made_at(jg, order)
+    getitems = [i for i, n in enumerate(nodes) if n.target is operator.getitem]
+    assert len(getitems) == 2 and sorted(made[call]) == getitems
+
+
+def test_attention_without_dropout_may_be_recomputed():
+    """Attention ops carry torch's "seeded" tag for their dropout; with dropout_p=0 they are
+    pure functions of q, k, v and the planner may run them again."""
+
+    def f(q, k, v, p):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, dropout_p=p)[0]
+
+    qkv = [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    for p, random in ((0.0, False), (0.1, True)):
+        nodes, _ = _aten_graph(functools.partial(f, p=p), *qkv)
+        (attn,) = [n for n in nodes if "scaled_dot_product" in str(n.target)]
+        assert _is_random(attn) is random and not _is_impure(attn), (p, attn.target)
+
+
+def test_attention_workspace_is_measured():
+    """The CPU flash kernels allocate per-thread blocks of scores inside themselves: a step's
+    peak includes them, so the simulation charges them at the call."""
+    nodes, _ = _aten_graph(F.scaled_dot_product_attention, *(torch.randn(2, 2, 512, 32) for _ in range(3)))
+    (attn,) = [n for n in nodes if "scaled_dot_product" in str(n.target)]
+    assert workspace_bytes(attn) > 0
+    mm = _aten_graph(torch.mm, torch.randn(8, 8), torch.randn(8, 8))[0][-1]
+    assert workspace_bytes(mm) == 0
 
 
 def _vit_small():

@@ -1,0 +1,124 @@
+"""Workspace memory of library kernels, measured by running them once.
+
+Attention kernels allocate scratch space inside themselves, on top of their outputs: the CPU
+flash kernels keep per-thread blocks of scores, the CUDA ones accumulate the query gradient in
+fp32. Its size depends on the kernel the dispatcher picks, the thread count and the device, so
+it is measured rather than modelled: the op runs once on tensors of the node's shapes, and its
+workspace is the highest allocation rise during the call less the bytes of what it returns.
+Results are kept per op, argument shapes, device and thread count for the process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch.profiler import ProfilerActivity, profile
+
+from fxmem import _torch_private as tp
+from fxmem.measure import _allocation_events, _peak_rise
+
+__all__ = ["workspace_bytes"]
+
+log = logging.getLogger(__name__)
+
+# Ops with a workspace worth knowing (substrings of the op's name).
+_PROBED = ("scaled_dot_product",)
+# A probe allocates its own inputs; beyond this it is not worth the time or the memory.
+_MAX_PROBE_BYTES = 512 * 2**20
+
+_cache: dict[tuple, int] = {}
+
+
+def workspace_bytes(node: fx.Node) -> int:
+    """Bytes `node`'s kernel allocates and frees inside itself (0 when not probed)."""
+    if node.op != "call_function" or not any(p in str(node.target) for p in _PROBED):
+        return 0
+    try:
+        key = (str(node.target), _signature(node.args), _signature(node.kwargs), torch.get_num_threads())
+    except _Unprobeable:
+        return 0
+    if key not in _cache:
+        _cache[key] = _run(node)
+    return _cache[key]
+
+
+class _Unprobeable(Exception):
+    pass
+
+
+def _signature(obj: object) -> object:
+    if isinstance(obj, fx.Node):
+        val = obj.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise _Unprobeable
+        try:
+            return (tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype, str(val.device))
+        except TypeError as err:  # symbolic sizes
+            raise _Unprobeable from err
+    if isinstance(obj, (list, tuple)):
+        return tuple(_signature(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple((k, _signature(v)) for k, v in obj.items())
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise _Unprobeable
+    return obj
+
+
+def _real(obj: object, made: list[torch.Tensor]) -> object:
+    """A tensor of the node's shape, strides, dtype and device, filled with small values."""
+    if isinstance(obj, fx.Node):
+        val = obj.meta["val"]
+        t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+        if t.is_floating_point():
+            t.uniform_(-0.5, 0.5) if t.numel() else None
+        else:
+            t.fill_(1 if t.dtype == torch.bool else 0)
+        made.append(t)
+        return t
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_real(o, made) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _real(v, made) for k, v in obj.items()}
+    return obj
+
+
+def _outputs_bytes(out: object) -> int:
+    if isinstance(out, torch.Tensor):
+        return out.untyped_storage().nbytes()
+    if isinstance(out, (list, tuple)):
+        return sum(_outputs_bytes(o) for o in out)
+    return 0
+
+
+def _run(node: fx.Node) -> int:
+    with tp.real_tensors():  # planning runs under AOTAutograd's fake mode
+        return _run_real(node)
+
+
+def _run_real(node: fx.Node) -> int:
+    made: list[torch.Tensor] = []
+    try:
+        args, kwargs = _real(node.args, made), _real(node.kwargs, made)
+        if sum(t.untyped_storage().nbytes() for t in made) > _MAX_PROBE_BYTES:
+            return 0
+        device = made[0].device if made else torch.device("cpu")
+        with torch.no_grad():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                out = node.target(*args, **kwargs)
+                torch.cuda.synchronize(device)
+                rise = torch.cuda.max_memory_allocated(device) - base
+            elif device.type == "cpu" and not torch.autograd._profiler_enabled():
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    out = node.target(*args, **kwargs)
+                rise, _ = _peak_rise(_allocation_events(prof.profiler.kineto_results), {})
+            else:
+                return 0
+        return max(0, rise - _outputs_bytes(out))
+    except Exception as err:  # a kernel this device cannot run with these inputs: no estimate
+        log.debug("fxmem: could not probe %s: %s", node.target, err)
+        return 0
