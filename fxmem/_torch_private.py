@@ -25,7 +25,9 @@ __all__ = [
     "boxed_graph_function",
     "extract_fwd_bwd",
     "inductor_compile",
+    "is_module_buffer",
     "is_primal",
+    "is_real_tensor",
     "is_sym_node",
     "is_tangent",
     "must_be_in_backward",
@@ -37,6 +39,21 @@ __all__ = [
 is_primal = _is_primal
 is_tangent = _is_tangent
 must_be_in_backward = _must_be_in_backward
+
+
+def is_real_tensor(t: torch.Tensor) -> bool:
+    """A tensor with data behind it (not a fake or functional wrapper, not on the meta device)."""
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(t, FakeTensor)
+    return plain and t.device.type != "meta"
+
+
+def is_module_buffer(placeholder: torch.fx.Node) -> bool:
+    """Whether Dynamo lifted this graph input from a module's registered buffers."""
+    arg = placeholder.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else name
+    return "._buffers[" in str(name)
 
 
 def real_tensors() -> Any:

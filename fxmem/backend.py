@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 
 from fxmem import _torch_private as tp
+from fxmem.constants import checked
 from fxmem.errors import check_budget_gb
 from fxmem.measure import live_tensor_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
@@ -256,10 +257,12 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     )
     partition_fn = make_partition_fn(req)
     if opts.compiler == "inductor":
-        return tp.inductor_compile(gm, list(example_inputs), partition_fn)
-    return tp.aot_autograd(
-        fw_compiler=lambda g, _: tp.boxed_graph_function(g),
-        bw_compiler=lambda g, _: tp.boxed_graph_function(g),
-        partition_fn=partition_fn,
-        decompositions=_EAGER_DECOMPOSITIONS,
-    )(gm, example_inputs)
+        compiled = tp.inductor_compile(gm, list(example_inputs), partition_fn)
+    else:
+        compiled = tp.aot_autograd(
+            fw_compiler=lambda g, _: tp.boxed_graph_function(g),
+            bw_compiler=lambda g, _: tp.boxed_graph_function(g),
+            partition_fn=partition_fn,
+            decompositions=_EAGER_DECOMPOSITIONS,
+        )(gm, example_inputs)
+    return checked(compiled, gm)  # premises the passes took about module buffers

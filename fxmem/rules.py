@@ -37,6 +37,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxmem.constants import capture_inputs
+
 __all__ = ["Match", "Refusal", "Rule", "RulePass", "call_leaf", "example_value", "insert_call", "propagate_meta"]
 
 log = logging.getLogger("fxmem.rules")
@@ -420,6 +422,15 @@ class RulePass:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
         fired = 0
+        with capture_inputs(gm, example_inputs):  # rules may fold buffer-made values
+            fired = self._run(gm)
+        if fired:
+            gm.graph.lint()
+            gm.recompile()
+        return gm, fired
+
+    def _run(self, gm: fx.GraphModule) -> int:
+        fired = 0
         for node in reversed(list(gm.graph.nodes)):
             if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
                 continue
@@ -434,10 +445,7 @@ class RulePass:
                 self.apply(found, rule)
                 fired += 1
                 break
-        if fired:
-            gm.graph.lint()
-            gm.recompile()
-        return gm, fired
+        return fired
 
     @staticmethod
     def apply(found: Match, rule: Rule) -> None:

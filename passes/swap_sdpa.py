@@ -23,14 +23,25 @@ meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a
 kernel draws its own mask (the same distribution, not eager's draw); the planner never
 recomputes random ops, so the backward sees the forward's mask. Does not fire when the weights
 escape (`output_attentions=True`): they would have to be materialised anyway.
+
+A mask made only from module buffers and shapes (nanoGPT's `bias` buffer, a mask built from
+`arange` or `triu` of the sequence length) is a fact about the model: when it is exactly the
+causal pattern, SDPA runs with `is_causal=True` and no (T, T) mask tensor is made at all (the
+kernels also skip the blocks it would drop). Buffers can still change, so the compiled step
+checks the ones the mask was made from before every call (addresses and version counters; the
+mask is evaluated again only when one changed) and raises rather than run a wrong rewrite
+(see `fxmem.constants`). A mask that arrives with the batch is never assumed causal.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxmem import constants
 from fxmem.rules import Match, Refusal, Rule, RulePass, example_value, op_key
 
 __all__ = ["swap_sdpa"]
@@ -48,8 +59,8 @@ def pattern_1(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return F.dropout(att, p=p, training=training) @ v
 
 
-def replacement_1(q, k, v, scale, mask, fill, p, training, gqa):
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa)
+def replacement_1(q, k, v, scale, mask, fill, p, training, gqa, causal):
+    return _sdpa(q, k, v, None if causal else _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal)
 
 
 # 2: as 1 with the scale divided in (`att / math.sqrt(hs)`, GPT-2 research code).
@@ -60,8 +71,8 @@ def pattern_2(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return F.dropout(att, p=p, training=training) @ v
 
 
-def replacement_2(q, k, v, scale, mask, fill, p, training, gqa):
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa)
+def replacement_2(q, k, v, scale, mask, fill, p, training, gqa, causal):
+    return _sdpa(q, k, v, None if causal else _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal)
 
 
 # 3: HF Llama / GPT-2 / BERT eager — scale by multiply, additive 4-D mask, softmax in fp32 cast back.
@@ -71,8 +82,8 @@ def pattern_3(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_3(q, k, v, scale, mask, p, training, gqa):
-    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa)
+def replacement_3(q, k, v, scale, mask, p, training, gqa, causal):
+    return _sdpa(q, k, v, None if causal else mask, _inverse(scale, False), p, training, gqa, causal)
 
 
 # 4: as 3 with the scale divided in (older HF BERT: `scores / math.sqrt(head_size) + mask`).
@@ -82,8 +93,8 @@ def pattern_4(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_4(q, k, v, scale, mask, p, training, gqa):
-    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa)
+def replacement_4(q, k, v, scale, mask, p, training, gqa, causal):
+    return _sdpa(q, k, v, None if causal else mask, _inverse(scale, True), p, training, gqa, causal)
 
 
 # 5: `torch.where(causal, scores, min)` (HF GPT-2 before the 4-D masks, GPT-J, CodeGen).
@@ -93,8 +104,8 @@ def pattern_5(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_5(q, k, v, scale, mask, fill, p, training, gqa):
-    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa)
+def replacement_5(q, k, v, scale, mask, fill, p, training, gqa, causal):
+    return _sdpa(q, k, v, None if causal else _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal)
 
 
 # 6: no mask (HF BERT eager without padding, ViT, encoder blocks).
@@ -122,11 +133,18 @@ def replacement_7(q, k, v, scale, p, training, gqa):
 # --- replacement helpers (run with proxies: they branch on numbers, never on tensors) ----------
 
 
-def _sdpa(q, k, v, mask, scale, p, training, gqa):
+def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False):
     if gqa is not None:
         k, v = gqa
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=float(p) if training else 0.0, scale=scale, enable_gqa=gqa is not None
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=float(p) if training else 0.0,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=gqa is not None,
     )
 
 
@@ -182,7 +200,8 @@ def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
     return base, example_value(kv).shape[1] // h_kv
 
 
-def guard(m: Match) -> Refusal | None:
+def guard(m: Match, masked: bool = False) -> Refusal | None:
+    """`masked`: the rule's boolean mask marks what to drop (masked_fill), not what to keep."""
     q, k, v = m.val("q"), m.val("k"), m.val("v")
     if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v)):
         return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
@@ -211,6 +230,7 @@ def guard(m: Match) -> Refusal | None:
             return Refusal(f"mask dtype {mask.dtype} does not suit this rule")
         if not wants_bool and mask.dtype != q.dtype:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
+    m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
     m.bindings["gqa"] = None
     ks, vs = _unrepeat(m.bindings["k"]), _unrepeat(m.bindings["v"])
     if ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1:
@@ -218,8 +238,60 @@ def guard(m: Match) -> Refusal | None:
     return None
 
 
+def _attends(mask: torch.Tensor, rule_fill: float | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where a folded mask lets a query see a key (True), or None where it does more than
+    drop: a finite fill or additive value above `finfo.min / 2` shifts scores rather than
+    removing them."""
+    drop = torch.finfo(dtype).min / 2
+    if rule_fill is not None:  # a boolean mask with a fill value
+        return None if rule_fill > drop else mask
+    if not mask.is_floating_point():
+        return None
+    kept = mask == 0
+    return kept if bool(((mask <= drop) | kept).all()) else None
+
+
+def _is_causal(mask: torch.Tensor, masked: bool, fill: float | None, dtype: torch.dtype, t: int) -> bool:
+    """Whether `mask` (broadcast over batch and heads) is the (t, t) causal pattern."""
+    if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, t):
+        return False
+    attend = _attends(~mask if masked else mask, fill, dtype)
+    return attend is not None and bool((attend == torch.ones(t, t, dtype=torch.bool).tril()).all())
+
+
+def _causal_mask(m: Match, q: torch.Tensor, k: torch.Tensor, masked: bool) -> bool:
+    """Whether the mask is a fact about the model (made from module buffers and shapes) that
+    says exactly "causal": then SDPA runs with `is_causal=True` and no mask tensor is made.
+    The buffers may change later, so the compiled step checks them before every call."""
+    t = q.shape[-2]
+    if not isinstance(t, int) or k.shape[-2] != t:
+        return False
+    folded = constants.fold(m.bindings["mask"])
+    if folded is None:
+        return False
+    value, evaluate, positions = folded
+    fill = m.bindings.get("fill")
+    dtype = q.dtype
+
+    def holds(args) -> bool:
+        return _is_causal(evaluate(args), masked, fill, dtype, t)
+
+    if not _is_causal(value.to(q.device), masked, fill, dtype, t):
+        return False
+    constants.register_check(m.output, constants.BufferCheck(positions, holds, "a causal attention mask"))
+    return True
+
+
 _RULES = [
-    Rule(f"attention_{i}", pat, rep, guard=guard, scalars=_SCALARS, optional=_OPTIONAL, absent=_ABSENT)
+    Rule(
+        f"attention_{i}",
+        pat,
+        rep,
+        guard=functools.partial(guard, masked=i in (1, 2)),
+        scalars=_SCALARS,
+        optional=_OPTIONAL,
+        absent=_ABSENT,
+    )
     for i, (pat, rep) in enumerate(
         [
             (pattern_1, replacement_1),

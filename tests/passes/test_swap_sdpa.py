@@ -504,3 +504,80 @@ def test_module_returning_weights_end_to_end():
     y_ref.backward()
     assert torch.allclose(y, y_ref, rtol=TOL) and torch.allclose(att, att_ref, rtol=TOL, atol=1e-7)
     assert max_rel_err(g, grads_of(model)) < TOL
+
+
+# --- masks that are facts about the model: `is_causal` ------------------------------------------
+
+
+class _BufferMasked(nn.Module):
+    """nanoGPT's attention core: the mask is a registered buffer, sliced to the sequence."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.register_buffer("bias", mask.float().view(1, 1, *mask.shape), persistent=False)
+
+    def forward(self, q, k, v):
+        t = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * D**-0.5
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+def _sdpa_call(gm):
+    (node,) = calls(gm, F.scaled_dot_product_attention)
+    return node
+
+
+def _swap_compiled(fn, *args):
+    """swap_sdpa run inside a backend, as fxmem runs it (Dynamo's record of where each input
+    came from is there only then); the compiled function matches eager's output and gradients."""
+    compiled, seen = compile_with_pass(swap_sdpa, fn)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    weight = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1))
+    errs = compare_with_eager(lambda: fn(*args), lambda: compiled(*args), leaves, lambda y: (y * weight).sum())
+    assert max(errs) < TOL, errs
+    (gm, fired), *_ = seen
+    assert fired == 1
+    return _sdpa_call(gm)
+
+
+def test_a_causal_buffer_mask_becomes_is_causal_and_is_exact():
+    node = _swap_compiled(_BufferMasked(torch.tril(torch.ones(2 * T, 2 * T))), *_qkv())
+    assert node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None
+
+
+def test_a_buffer_mask_that_is_not_causal_stays_a_mask():
+    window = torch.tril(torch.ones(T, T)) - torch.tril(torch.ones(T, T), diagonal=-4)  # sliding window
+    node = _swap_compiled(_BufferMasked(window), *_qkv())
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
+
+
+def test_a_mask_passed_with_the_batch_is_not_assumed_causal():
+    node = _swap_compiled(nanogpt_mul, *_qkv(), CAUSAL)  # causal values, but an input: may change
+    assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
+
+
+def test_an_additive_causal_mask_made_from_shapes_becomes_is_causal():
+    def fn(q, k, v):
+        t = q.size(-2)
+        mask = torch.full((t, t), torch.finfo(q.dtype).min).triu(1)  # HF's causal mask, from shapes
+        return additive_mask(q, k, v, mask[None, None])
+
+    assert _swap_compiled(fn, *_qkv()).kwargs["is_causal"] is True
+
+
+def test_a_changed_causal_buffer_is_an_error_not_a_wrong_answer():
+    cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    batch = gpt_batch(cfg, 2, 32)
+    m = fxmem.optimize(model, 4.0, compiler="eager", passes=("swap_sdpa",))
+    step(m, *batch)
+    model.load_state_dict(model.state_dict())  # same values written again: still causal
+    with torch.no_grad():
+        model.h[1].attn.bias.copy_(model.h[1].attn.bias.clone())
+    step(m, *batch)
+    with torch.no_grad():
+        model.h[1].attn.bias.fill_(1.0)  # attend everywhere: the rewrite would now be wrong
+    with pytest.raises(RuntimeError, match="causal attention mask"):
+        step(m, *batch)
