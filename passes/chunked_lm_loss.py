@@ -95,6 +95,29 @@ def _chunk_loss(logits, y, valid):
     return ((lse - picked) * valid).sum(), lse
 
 
+def _matmul_weight(w):
+    """`w` as autocast feeds it to a matmul, cast once: cast in every chunk, a fusing compiler
+    makes all the copies in one kernel (one per chunk alive at once)."""
+    device = w.device.type
+    if torch.is_autocast_enabled(device):
+        return w.to(torch.get_autocast_dtype(device))
+    return w
+
+
+def _accumulate(dw, grad, h, dtype):
+    """dw + grad.T @ h as one addmm in the weight's dtype, outside any autocast region.
+
+    Under bf16 autocast a bf16 product added to a running sum becomes a cast and an add; a
+    fusing compiler then sums every chunk's product in one kernel at the end, so all of them
+    are alive at once (and the sum is rounded to bf16 chunk by chunk). One addmm per chunk
+    keeps one running sum in the master weight's precision, as the unchunked backward's single
+    matmul accumulates in fp32.
+    """
+    with torch.autocast(grad.device.type, enabled=False):
+        grad, h = grad.to(dtype), h.to(dtype)
+        return grad.t() @ h if dw is None else torch.addmm(dw, grad.t(), h)
+
+
 @torch.library.custom_op("fxmem::loss_with_grads", mutates_args=())
 def _loss_with_grads(loss: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     """`loss`, made to depend on `grads` in the traced graph (it reads nothing of them).
@@ -117,7 +140,7 @@ class _LossAndGrads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
-        hidden = w.shape[1]
+        hidden, w_mm = w.shape[1], _matmul_weight(w)
         h2 = h.reshape(-1, hidden)
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
@@ -127,12 +150,12 @@ class _LossAndGrads(torch.autograd.Function):
                 y[start : start + chunk_rows],
                 valid[start : start + chunk_rows],
             )
-            logits = F.linear(hc, w, b).float()  # (rows, V)
+            logits = F.linear(hc, w_mm, b).float()  # (rows, V)
             loss, lse = _chunk_loss(logits, yc, vc)
             total = total + loss
             grad = _chunk_grad(logits, lse, yc, vc).to(w.dtype)
-            dh_parts.append(grad @ w)
-            dw = grad.t() @ hc if dw is None else dw + grad.t() @ hc
+            dh_parts.append(grad @ w_mm)
+            dw = _accumulate(dw, grad, hc, w.dtype)
             if b is not None:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
         dh = torch.cat(dh_parts).view(h.shape)
@@ -174,15 +197,15 @@ class _LossAndLogits(torch.autograd.Function):
         h2, flat = h.reshape(-1, hidden), logits.view(-1, w.shape[0])
         g_flat = None if grad_logits is None else grad_logits.reshape(flat.shape)
         scale = grad_loss / denominator
-        dh_parts, dw, db = [], None, None
+        dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
         for start in range(0, flat.shape[0], rows):
             end = start + rows
             grad = _chunk_grad(flat[start:end].float(), lse[start:end], y[start:end], valid[start:end]) * scale
             if g_flat is not None:
                 grad = grad + g_flat[start:end].float()
             grad = grad.to(w.dtype)
-            dh_parts.append(grad @ w)
-            dw = grad.t() @ h2[start:end] if dw is None else dw + grad.t() @ h2[start:end]
+            dh_parts.append(grad @ w_mm)
+            dw = _accumulate(dw, grad, h2[start:end], w.dtype)
             if ctx.has_bias:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
         return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None

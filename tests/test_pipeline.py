@@ -8,6 +8,7 @@ from _graphs import grad_err
 from conftest import grads_of, small_gpt, step, zero_grads
 
 import fxmem
+from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 MiB = 2**20
 
@@ -33,3 +34,30 @@ def test_budget_held_with_all_passes_small_gpt(fraction):
     )
     assert torch.allclose(got.result, eager.result, rtol=1e-5)
     assert grad_err(grads_of(model), ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_budget_held_with_bf16_regions_and_inductor():
+    """precision="bf16" adds bf16_regions to the exact passes. From the floor up, the measured
+    peak holds with inductor: the chunked loss casts its head to bf16 once, not once per chunk
+    (inductor makes those copies in one kernel, all alive at once)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=4, n_embd=64)
+    model, batch = GPT(cfg), gpt_batch(cfg, 4, 128)
+    try:
+        fxmem.optimize(model, 1e-6, precision="bf16", example_inputs=batch)
+    except fxmem.BudgetError as err:
+        floor = err.floor_bytes
+    for budget in (floor, 1.2 * floor, 4 * floor):  # the last: nothing recomputed
+        m = fxmem.optimize(model, budget / 2**30, precision="bf16", example_inputs=batch)
+        step(m, *batch)  # compiles
+        zero_grads(model)
+        got = fxmem.measure(step, m, *batch)
+        zero_grads(model)
+        assert m.plan.rewrites["bf16_regions"] > 0 and m.plan.rewrites["chunked_lm_loss"] == 1
+        assert got.peak_bytes <= budget, (
+            f"measured {got.peak_bytes / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB "
+            f"(predicted {m.plan.predicted_peak_bytes / MiB:.1f} MiB)"
+        )
+        assert torch.isfinite(got.result)
