@@ -6,6 +6,7 @@ used as a plain function; fxmem keeps its own logic outside.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -118,10 +119,51 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn
         # buffers put the measured peak up to 18% above the plan (a handover saves only an
         # allocator call). Its peak-memory reordering off: it reorders by that same estimate,
         # while the plan has already ordered the backward and predicted that order.
-        return compile_fx(gm, example_inputs, config_patches=_INDUCTOR_PATCHES)
+        # Horizontal fusion across library calls off (see _fusion_choices).
+        choices = _fusion_choices()
+        patches = {**_INDUCTOR_PATCHES, "inductor_choices_class": choices}
+
+        def inner_compile(*args: Any, **kwargs: Any) -> Any:
+            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor.virtualized import V
+
+            with V.set_choices_handler(choices()):
+                return compile_fx_inner(*args, **kwargs)
+
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 _INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "reorder_for_peak_memory": False}
+
+
+@functools.cache
+def _fusion_choices() -> type:
+    """Inductor's fusion heuristics, less one: two kernels that do not depend on each other
+    are not fused when a library call (a matmul, attention) runs between them. Such a fusion
+    moves the earlier kernel's work past the call, so what it reads stays alive across it (a
+    LayerNorm's weight-gradient reduction fused with the next LayerNorm's holds two activations
+    over an attention backward); the plan counted them freed."""
+    import bisect
+
+    from torch._inductor.choices import InductorChoices
+
+    class FxmemChoices(InductorChoices):
+        @staticmethod
+        def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
+            calls = getattr(scheduler, "_fxmem_library_calls", None)
+            if calls is None:
+                calls = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
+                scheduler._fxmem_library_calls = calls
+            first, last = min(node1.max_order, node2.max_order), max(node1.min_order, node2.min_order)
+            k = bisect.bisect_right(calls, first)
+            if k < len(calls) and calls[k] < last:
+                return False
+            return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
+
+        def uuid(self) -> str:
+            return "fxmem-no-horizontal-fusion-across-library-calls-1"
+
+    return FxmemChoices
 
 
 def _partitioner_class() -> type:

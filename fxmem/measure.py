@@ -141,14 +141,14 @@ def _entry_storages() -> dict[int, tuple[int, StorageWeakRef]]:
     return {p: (s.nbytes(), StorageWeakRef(s)) for p, s in _live_storages(_CPU).items()}
 
 
-def _allocation_events(result: Any) -> list[tuple[int, int, int]]:
-    """(time ns, ptr, signed bytes) of the CPU allocator events, in time order."""
+def _allocation_events(result: Any, device: torch.device = _CPU) -> list[tuple[int, int, int]]:
+    """(time ns, ptr, signed bytes) of `device`'s allocator events, in time order."""
     events, stack = [], list(result.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
         fields = e.extra_fields  # allocation events carry ptr, alloc_size, device
-        if hasattr(fields, "alloc_size") and fields.device.type == "cpu":
+        if hasattr(fields, "alloc_size") and fields.device.type == device.type:
             events.append((e.start_time_ns, fields.ptr, fields.alloc_size))
     events.sort(key=lambda ev: ev[0])
     return events

@@ -4,8 +4,11 @@ Attention kernels allocate scratch space inside themselves, on top of their outp
 flash kernels keep per-thread blocks of scores, the CUDA ones accumulate the query gradient in
 fp32. Its size depends on the kernel the dispatcher picks, the thread count and the device, so
 it is measured rather than modelled: the op runs once on tensors of the node's shapes, and its
-workspace is the highest allocation rise during the call less the bytes of what it returns.
-Results are kept per op, argument shapes, device and thread count for the process.
+workspace is the highest allocation rise during the call (the allocator's events, as the
+profiler records them; CUDA's peak counters are left alone) less the bytes of what it returns.
+Results are kept per op, argument shapes, device and thread count for the process. Under a
+running profiler (a first call inside `fxmem.measure`) nothing can be measured: that plan
+counts no workspace, and a later one measures it.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def workspace_bytes(node: fx.Node) -> int:
     except _Unprobeable:
         return 0
     if key not in _cache:
-        _cache[key] = _run(node)
+        found = _run(node)
+        if found is None:  # not measurable now (a profiler is running): 0, and ask again later
+            return 0
+        _cache[key] = found
     return _cache[key]
 
 
@@ -92,7 +98,9 @@ def _outputs_bytes(out: object) -> int:
     return 0
 
 
-def _run(node: fx.Node) -> int:
+def _run(node: fx.Node) -> int | None:
+    if torch.autograd._profiler_enabled():
+        return None  # the caller is profiling (fxmem.measure around a first call): no nesting
     with tp.real_tensors():  # planning runs under AOTAutograd's fake mode
         return _run_real(node)
 
@@ -104,20 +112,13 @@ def _run_real(node: fx.Node) -> int:
         if sum(t.untyped_storage().nbytes() for t in made) > _MAX_PROBE_BYTES:
             return 0
         device = made[0].device if made else torch.device("cpu")
-        with torch.no_grad():
+        # The allocator's events rather than CUDA's peak counters, which the caller may be
+        # reading: a probe leaves them as they were.
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = node.target(*args, **kwargs)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                base = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                out = node.target(*args, **kwargs)
-                torch.cuda.synchronize(device)
-                rise = torch.cuda.max_memory_allocated(device) - base
-            elif device.type == "cpu" and not torch.autograd._profiler_enabled():
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                    out = node.target(*args, **kwargs)
-                rise, _ = _peak_rise(_allocation_events(prof.profiler.kineto_results), {})
-            else:
-                return 0
+        rise, _ = _peak_rise(_allocation_events(prof.profiler.kineto_results, device), {})
         return max(0, rise - _outputs_bytes(out))
     except Exception as err:  # a kernel this device cannot run with these inputs: no estimate
         log.debug("fxmem: could not probe %s: %s", node.target, err)

@@ -1,7 +1,8 @@
 """Memory over time for one training step, given which forward values are saved.
 
 The forward runs the forward nodes in graph order. The backward runs the backward nodes from
-the first one that reads a gradient, and brings in what each needs just before it needs it:
+the first one that reads a gradient (a library call whose output outweighs what it frees waits
+for its first reader, see `_deferred`), and brings in what each needs just before it needs it:
 forward values that were not saved are recomputed there, in graph order (this is the order
 the emitted backward graph has, see `partition._emit`). Every storage is freed after its last
 reader; saved storages live from the forward into the backward; outputs (the loss, gradients)
@@ -12,7 +13,9 @@ value only fusible ops read is never stored, so its inputs live until its last r
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
-compute them inline (see `graph._stored_on_reuse`). Each rule was checked against inductor's
+compute them inline (see `graph._stored_on_reuse`). Kernels never merge across a library call:
+fxmem's compile keeps inductor from fusing unrelated kernels across one (see
+`_torch_private._fusion_choices`). Each rule was checked against inductor's
 generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 """
 
@@ -112,12 +115,37 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
                     queued.add(u)
                     heapq.heappush(ready, u)
 
+    deferred = _deferred(jg)
     for i in range(jg.first_bwd, n):
-        if jg.kind[i] == BWD:
+        if jg.kind[i] == BWD and i not in deferred:
             bring(i)
     for i in jg.bwd_outputs:
         bring(i)
     return order, recomputed
+
+
+def _deferred(jg: JointGraph) -> set[int]:
+    """Backward library calls that run only when a reader first needs them.
+
+    An input's gradient `dY @ W.T` is as large as the activation it belongs to, while the
+    weight's gradient beside it reads a recomputed activation: in graph order the first is
+    alive while the second's input is recomputed, three activations at once. A library call
+    whose output outweighs the inputs it might free, read only by later backward nodes and no
+    gradient itself, is brought in just before its first reader instead."""
+    outputs = set(jg.bwd_outputs)
+    out: set[int] = set()
+    for i in range(jg.first_bwd, len(jg.nodes)):
+        s = jg.storage[i]
+        if jg.kind[i] != BWD or s < 0 or i in outputs or not jg.users[i] or (jg.fusible and jg.fusible[i]):
+            continue
+        if any(jg.kind[u] != BWD or u < i for u in jg.users[i]):
+            continue
+        freed = sum(
+            jg.storage_bytes[jg.storage[j]] for j in jg.inputs[i] if jg.kind[j] != PRIMAL and jg.storage[j] >= 0
+        )
+        if jg.storage_bytes[s] > freed:
+            out.add(i)
+    return out
 
 
 def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:

@@ -390,6 +390,16 @@ def test_attention_workspace_is_measured():
     assert workspace_bytes(mm) == 0
 
 
+def test_a_workspace_probe_under_a_running_profiler_is_asked_again():
+    """A first call inside fxmem.measure plans under its profiler, where no probe can run: that
+    plan counts nothing, and the next one measures the workspace instead of keeping the 0."""
+    nodes, _ = _aten_graph(F.scaled_dot_product_attention, *(torch.randn(2, 2, 384, 32) for _ in range(3)))
+    (attn,) = [n for n in nodes if "scaled_dot_product" in str(n.target)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        assert workspace_bytes(attn) == 0
+    assert workspace_bytes(attn) > 0
+
+
 def _vit_small():
     cfg = ViTConfig(image_size=32, patch_size=4, n_layer=2, n_head=2, n_embd=64, classes=10)
     return ViT(cfg), vit_batch(cfg, 16)
@@ -421,3 +431,22 @@ def test_inductor_floor_holds_the_budget(make):
     assert m.plan.recomputed
     assert measured <= m.plan.budget_bytes, (measured, m.plan.budget_bytes, m.plan.predicted_peak_bytes)
     assert abs(m.plan.predicted_peak_bytes - measured) <= 0.10 * measured
+
+
+def test_inductor_does_not_fuse_unrelated_kernels_across_a_library_call(monkeypatch):
+    """Two kernels with no dependency between them are not fused when a library call runs
+    between them: the earlier one's inputs would stay alive across the call. Without a call
+    between them inductor's own heuristics decide."""
+    from torch._inductor.choices import InductorChoices
+
+    monkeypatch.setattr(InductorChoices, "can_fuse_horizontal", staticmethod(lambda *args: "inductor decides"))
+    choices = tp._fusion_choices()
+
+    def node(order, extern=False):
+        return SimpleNamespace(min_order=order, max_order=order, is_extern=lambda: extern)
+
+    early, call, late, next_to_early = node(3), node(5, extern=True), node(9), node(4)
+    scheduler = SimpleNamespace(nodes=[early, next_to_early, call, late])
+    assert not choices.can_fuse_horizontal(scheduler, early, late, 2**20)
+    assert not choices.can_fuse_horizontal(scheduler, late, early, 2**20)
+    assert choices.can_fuse_horizontal(scheduler, early, next_to_early, 2**20) == "inductor decides"
