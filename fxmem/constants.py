@@ -160,4 +160,5 @@ def checked(compiled: Callable[..., Any], gm: fx.GraphModule) -> Callable[..., A
             c.verify(args)
         return compiled(*args)
 
+    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
     return run

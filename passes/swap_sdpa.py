@@ -256,7 +256,9 @@ def _is_causal(mask: torch.Tensor, masked: bool, fill: float | None, dtype: torc
     if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, t):
         return False
     attend = _attends(~mask if masked else mask, fill, dtype)
-    return attend is not None and bool((attend == torch.ones(t, t, dtype=torch.bool).tril()).all())
+    return attend is not None and bool(
+        (attend == torch.ones(t, t, dtype=torch.bool, device=attend.device).tril()).all()
+    )
 
 
 def _causal_mask(m: Match, q: torch.Tensor, k: torch.Tensor, masked: bool) -> bool:
