@@ -102,7 +102,7 @@ def fold(node: fx.Node) -> tuple[torch.Tensor, Callable[[Sequence[Any]], torch.T
         elif n.op in ("call_function", "call_method"):
             if _random(n) or not all(visit(a) for a in n.all_input_nodes):
                 return False
-        elif n.op != "get_attr":
+        else:  # a module attribute read in place (get_attr): nothing checks it per call
             return False
         order.append(n)
         return True
