@@ -119,7 +119,9 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn
         # buffers put the measured peak up to 18% above the plan (a handover saves only an
         # allocator call). Its peak-memory reordering off: it reorders by that same estimate,
         # while the plan has already ordered the backward and predicted that order.
-        # Horizontal fusion across library calls off (see _fusion_choices).
+        # Horizontal fusion across library calls off (see _fusion_choices): the handler is set
+        # around each inner compile (inductor makes its default one once per thread); the
+        # config entry puts its uuid in inductor's cache key.
         choices = _fusion_choices()
         patches = {**_INDUCTOR_PATCHES, "inductor_choices_class": choices}
 

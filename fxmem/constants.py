@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
+from fxmem.graph import _is_random
 
 __all__ = ["BufferCheck", "capture_inputs", "checked", "fold", "register_check"]
 
@@ -131,13 +132,12 @@ def fold(node: fx.Node) -> tuple[torch.Tensor, Callable[[Sequence[Any]], torch.T
     return value, evaluate, positions
 
 
+# Dynamo records torch-level calls, which carry no aten tags: the random ones by name.
+_RANDOM_CALLS = {"rand", "randn", "randint", "rand_like", "randn_like", "dropout", "bernoulli", "multinomial"}
+
+
 def _random(n: fx.Node) -> bool:
-    target = n.target
-    tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
-        return True
-    name = getattr(target, "__name__", str(target))
-    return name in ("rand", "randn", "randint", "rand_like", "randn_like", "dropout", "bernoulli", "multinomial")
+    return _is_random(n) or getattr(n.target, "__name__", str(n.target)) in _RANDOM_CALLS
 
 
 def register_check(node: fx.Node, check: BufferCheck) -> None:

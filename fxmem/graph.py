@@ -9,6 +9,7 @@ the solvers work on these arrays only, so planning never touches fx objects in i
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -471,3 +472,26 @@ class JointGraph:
     def primal_bytes(self) -> int:
         seen = {self.storage[i] for i, k in enumerate(self.kind) if k == PRIMAL and self.storage[i] >= 0}
         return sum(self.storage_bytes[s] for s in seen)
+
+    @functools.cached_property
+    def deferred(self) -> frozenset[int]:
+        """Backward library calls the schedule runs only when a reader first needs them.
+
+        An input's gradient `dY @ W.T` is as large as the activation it belongs to, while the
+        weight's gradient beside it reads a recomputed activation: in graph order the first is
+        alive while the second's input is recomputed, three activations at once. A library
+        call whose output outweighs the inputs it might free, read only by later backward
+        nodes and no gradient itself, is brought in just before its first reader instead
+        (see `simulate.backward_order`)."""
+        outputs = set(self.bwd_outputs)
+        out = set()
+        for i in range(self.first_bwd, len(self.nodes)):
+            s = self.storage[i]
+            if self.kind[i] != BWD or s < 0 or i in outputs or not self.users[i]:
+                continue
+            if (self.fusible and self.fusible[i]) or any(self.kind[u] != BWD or u < i for u in self.users[i]):
+                continue
+            freed = sum(self.nbytes(j) for j in self.inputs[i] if self.kind[j] != PRIMAL)
+            if self.storage_bytes[s] > freed:
+                out.add(i)
+        return frozenset(out)

@@ -78,7 +78,7 @@ def _real(obj: object, made: list[torch.Tensor]) -> object:
         val = obj.meta["val"]
         t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
         if t.is_floating_point():
-            t.uniform_(-0.5, 0.5) if t.numel() else None
+            t.uniform_(-0.5, 0.5)
         else:
             t.fill_(1 if t.dtype == torch.bool else 0)
         made.append(t)

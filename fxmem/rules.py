@@ -421,7 +421,6 @@ class RulePass:
         self.refusals: list[tuple[str, str, str]] = []  # (rule, node, reason)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
-        fired = 0
         with capture_inputs(gm, example_inputs):  # rules may fold buffer-made values
             fired = self._run(gm)
         if fired:

@@ -2,7 +2,7 @@
 
 The forward runs the forward nodes in graph order. The backward runs the backward nodes from
 the first one that reads a gradient (a library call whose output outweighs what it frees waits
-for its first reader, see `_deferred`), and brings in what each needs just before it needs it:
+for its first reader, see `JointGraph.deferred`), and brings in what each needs just before it needs it:
 forward values that were not saved are recomputed there, in graph order (this is the order
 the emitted backward graph has, see `partition._emit`). Every storage is freed after its last
 reader; saved storages live from the forward into the backward; outputs (the loss, gradients)
@@ -115,37 +115,13 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
                     queued.add(u)
                     heapq.heappush(ready, u)
 
-    deferred = _deferred(jg)
+    deferred = jg.deferred
     for i in range(jg.first_bwd, n):
         if jg.kind[i] == BWD and i not in deferred:
             bring(i)
     for i in jg.bwd_outputs:
         bring(i)
     return order, recomputed
-
-
-def _deferred(jg: JointGraph) -> set[int]:
-    """Backward library calls that run only when a reader first needs them.
-
-    An input's gradient `dY @ W.T` is as large as the activation it belongs to, while the
-    weight's gradient beside it reads a recomputed activation: in graph order the first is
-    alive while the second's input is recomputed, three activations at once. A library call
-    whose output outweighs the inputs it might free, read only by later backward nodes and no
-    gradient itself, is brought in just before its first reader instead."""
-    outputs = set(jg.bwd_outputs)
-    out: set[int] = set()
-    for i in range(jg.first_bwd, len(jg.nodes)):
-        s = jg.storage[i]
-        if jg.kind[i] != BWD or s < 0 or i in outputs or not jg.users[i] or (jg.fusible and jg.fusible[i]):
-            continue
-        if any(jg.kind[u] != BWD or u < i for u in jg.users[i]):
-            continue
-        freed = sum(
-            jg.storage_bytes[jg.storage[j]] for j in jg.inputs[i] if jg.kind[j] != PRIMAL and jg.storage[j] >= 0
-        )
-        if jg.storage_bytes[s] > freed:
-            out.add(i)
-    return out
 
 
 def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:
@@ -240,23 +216,17 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     recomputed_interval: dict[int, tuple[int, int]] = {}
     made_at = _outputs_made_at(jg, order)
     for t, i in enumerate(order):
-        for s in made_at.get(t, ()):
-            if s not in alive:  # a library call writes all its outputs while its inputs live
-                alive.add(s)
-                alloc_at[s] = t
-                made_by[s] = i
-                charged[s] = sbytes[s]
-                cur += charged[s]
-                if events is not None:
-                    events.append((t, s, charged[s]))
-        s = storage[i]
-        if s >= 0 and s not in static and s not in alive:
+        # A library call writes all its outputs while its inputs live (`_outputs_made_at`).
+        for s in (*made_at.get(t, ()), storage[i]):
+            if s < 0 or s in static or s in alive:
+                continue
             alive.add(s)
             alloc_at[s] = t
             made_by[s] = i
             # Recomputed values are written out in full, unless a fusing compiler can compute
             # them inside the kernels that read them (see `inlined`).
-            charged[s] = sbytes[s] if i in rset and not inlined(i) else cost[s]
+            own = s == storage[i]
+            charged[s] = cost[s] if own and (i not in rset or inlined(i)) else sbytes[s]
             for r in reusable.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive

@@ -60,7 +60,7 @@ def pattern_1(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_1(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, None if causal else _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal)
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal)
 
 
 # 2: as 1 with the scale divided in (`att / math.sqrt(hs)`, GPT-2 research code).
@@ -72,7 +72,7 @@ def pattern_2(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_2(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, None if causal else _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal)
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal)
 
 
 # 3: HF Llama / GPT-2 / BERT eager — scale by multiply, additive 4-D mask, softmax in fp32 cast back.
@@ -83,7 +83,7 @@ def pattern_3(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
 
 
 def replacement_3(q, k, v, scale, mask, p, training, gqa, causal):
-    return _sdpa(q, k, v, None if causal else mask, _inverse(scale, False), p, training, gqa, causal)
+    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa, causal)
 
 
 # 4: as 3 with the scale divided in (older HF BERT: `scores / math.sqrt(head_size) + mask`).
@@ -94,7 +94,7 @@ def pattern_4(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
 
 
 def replacement_4(q, k, v, scale, mask, p, training, gqa, causal):
-    return _sdpa(q, k, v, None if causal else mask, _inverse(scale, True), p, training, gqa, causal)
+    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa, causal)
 
 
 # 5: `torch.where(causal, scores, min)` (HF GPT-2 before the 4-D masks, GPT-J, CodeGen).
@@ -105,7 +105,7 @@ def pattern_5(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_5(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, None if causal else _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal)
+    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal)
 
 
 # 6: no mask (HF BERT eager without padding, ViT, encoder blocks).
@@ -154,6 +154,8 @@ def _inverse(scale, divided: bool) -> float:
 
 def _not_masked(mask, fill):
     """masked_fill(mask, fill) as an SDPA mask: -inf drops, a finite fill adds itself."""
+    if mask is None:  # causal: SDPA's is_causal stands for it
+        return None
     if fill == float("-inf"):
         return torch.logical_not(mask)
     return torch.where(mask, fill, 0.0)
@@ -161,6 +163,8 @@ def _not_masked(mask, fill):
 
 def _attend(mask, fill):
     """where(mask, scores, fill) as an SDPA mask."""
+    if mask is None:  # causal: SDPA's is_causal stands for it
+        return None
     if fill == float("-inf"):
         return mask
     return torch.where(mask, 0.0, fill)
@@ -231,6 +235,8 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         if not wants_bool and mask.dtype != q.dtype:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
     m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
+    if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
+        m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None
     m.bindings["gqa"] = None
     ks, vs = _unrepeat(m.bindings["k"]), _unrepeat(m.bindings["v"])
     if ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1:
