@@ -25,6 +25,7 @@ __all__ = [
     "aot_autograd",
     "boxed_graph_function",
     "extract_fwd_bwd",
+    "fake_rerun",
     "inductor_compile",
     "is_module_buffer",
     "is_primal",
@@ -78,6 +79,17 @@ def boxed_graph_function(gm: torch.fx.GraphModule) -> Any:
 
     run._boxed_call = True
     return run
+
+
+def fake_rerun(node: torch.fx.Node) -> Any:
+    """`node`'s op run again on its inputs' fake values: a value like `node.meta["val"]` in a
+    storage of its own (views of a tensor so made share its storage)."""
+    from torch._guards import detect_fake_mode
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    mode = detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
+    with mode:
+        return node.target(*args, **kwargs)
 
 
 def extract_fwd_bwd(

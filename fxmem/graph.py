@@ -86,14 +86,17 @@ def source_line(node: fx.Node) -> str:
 
 
 # Fusible ops whose result inductor writes to a buffer of its own (which a kernel fused with
-# its only reader may keep to itself): reductions, and its seeded random numbers.
+# its only reader may keep to itself): reductions, its seeded random numbers, and scatters
+# into a buffer (an embedding's gradient: index_put into zeros, in the kernel around it).
 _STORED = {
     "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all",
     "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
     "native_layer_norm", "native_layer_norm_backward", "inductor_random", "cat",
+    "index_put", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate",
 }  # fmt: skip
-# Besides: element-wise ops without the pointwise tag; constants are computed in their readers.
-_FUSIBLE_NON_POINTWISE = _STORED | {"where", "clone", "expand", "full", "scalar_tensor", "iota"}
+# Besides: element-wise ops without the pointwise tag; constants are computed in their readers;
+# a lookup of rows (an embedding) is an indexed load.
+_FUSIBLE_NON_POINTWISE = _STORED | {"where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding"}
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
 # inputs are copied into, by loops fused with the kernel around them.
 _WRITTEN_OUT = {"cat"}
@@ -245,6 +248,28 @@ def _stored_on_reuse(
         heavy[i] = h
         reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
     return [h or len(r) > _MAX_INLINED_READS for h, r in zip(heavy, reads, strict=True)]
+
+
+def _store_reused(
+    kind: list[int],
+    users: list[list[int]],
+    storage: list[int],
+    mat: list[bool],
+    fusible: list[bool],
+    inlinable: list[bool],
+    stored_on_reuse: list[bool],
+) -> None:
+    """Mark written out the backward values several kernels read that a fusing compiler stores
+    rather than computing them in each (see `_stored_on_reuse`; LayerNorm's input gradient
+    read by an embedding's two gradient scatters). Forward values are judged where the plan
+    recomputes them (`simulate.inlined`)."""
+    for i, k in enumerate(kind):
+        s = storage[i]
+        if k != BWD or s < 0 or mat[s] or not inlinable[i] or not stored_on_reuse[i]:
+            continue
+        readers = [u for u in users[i] if fusible[u] and storage[u] != s]
+        if len(readers) > 1:
+            mat[s] = True
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
@@ -437,6 +462,8 @@ class JointGraph:
         transient = [workspace_bytes(n) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [_inlinable(n) for n in nodes] if fusing else []
         stored_on_reuse = _stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
+        if fusing:
+            _store_reused(kind, users, storage, materialized, fusible, inlinable, stored_on_reuse)
         return cls(
             fusible=fusible,
             inlinable=inlinable,
@@ -472,6 +499,41 @@ class JointGraph:
     def primal_bytes(self) -> int:
         seen = {self.storage[i] for i, k in enumerate(self.kind) if k == PRIMAL and self.storage[i] >= 0}
         return sum(self.storage_bytes[s] for s in seen)
+
+    @functools.cached_property
+    def early_gradients(self) -> frozenset[int]:
+        """Gradients a fusing compiler reduces from a larger backward value (a bias's, summed
+        over the rows of its output's gradient): the backward makes them as soon as it can, so
+        the larger value is not held for them past the matmuls that read it too."""
+        if not self.fusible:
+            return frozenset()
+        out = set()
+        for o in self.bwd_outputs:
+            s = self.storage[o]
+            if s < 0 or self.kind[o] != BWD:
+                continue
+            after, made_by = self._views_read(o)  # the gradient may be a view of the sum
+            i = made_by[0] if len(made_by) == 1 else -1
+            if i < 0 or self.kind[i] != BWD or not self.fusible[i] or self.inlinable[i]:
+                continue
+            before, reads = self._views_read(i)
+            if any(self.kind[j] == BWD and self.storage_bytes[s] < self.nbytes(j) for j in reads):
+                out.update((o, i, *after, *before))
+        return frozenset(out)
+
+    def _views_read(self, i: int) -> tuple[list[int], list[int]]:
+        """The views node `i` reads through (a bias gradient sums a reshaped gradient), and
+        what they are views of."""
+        views, reads, todo = [], [], [i]
+        while todo:
+            j = todo.pop()
+            s = self.storage[j]
+            if j == i or (self.kind[j] == BWD and s >= 0 and any(self.storage[k] == s for k in self.inputs[j])):
+                views.append(j)
+                todo.extend(self.inputs[j])
+            else:
+                reads.append(j)
+        return views[1:], reads
 
     @functools.cached_property
     def deferred(self) -> frozenset[int]:

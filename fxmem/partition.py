@@ -4,6 +4,11 @@ Deciding is separate from doing: `JointGraph` + `plan_trajectory` produce a `Cho
 forward values are saved); `_emit` only applies it, letting torch cut the joint graph at
 exactly that boundary (anything unsaved that the backward needs is copied into it) and order
 the backward exactly as `simulate` ran it.
+
+In order: clones that only copy are dropped (`cleanup`); late readers get backward copies of
+cheap values (`again.add_backward_copies`); the graph is planned; a second graph, where the
+backward also rebuilds some saved values from earlier ones, is planned beside it, and is used
+only for budgets the first cannot reach (`_second_recomputation`).
 """
 
 from __future__ import annotations
@@ -12,13 +17,20 @@ import heapq
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
+from fxmem.again import (
+    COPY_OF,
+    SecondRecomputation,
+    add_backward_copies,
+    apply_second_recomputation,
+    plan_second_recomputation,
+)
 from fxmem.cleanup import remove_redundant_clones
 from fxmem.cost import CostModel, measure_rates
 from fxmem.errors import BudgetError
@@ -31,6 +43,13 @@ from fxmem.simulate import simulate
 __all__ = ["PlanRequest", "make_partition_fn"]
 
 log = logging.getLogger("fxmem")
+
+# Saved values smaller than this share of the smallest plan's peak are not worth computing a
+# second time (a LayerNorm's statistics, beside the residuals they normalise).
+_SECOND_MIN_SHARE = 64
+# A second recomputation is planned only when it lowers the floor by this share at least: it
+# runs whole attentions again, for the memory the residuals they rebuild take.
+_SECOND_MIN_GAIN = 0.04
 
 
 @dataclass
@@ -68,29 +87,46 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         t0 = time.perf_counter()
         cost = CostModel(measure_rates(str(req.device)))
         storage_remap = remove_redundant_clones(joint)
-        jg = JointGraph.build(joint, num_fwd_outputs, cost, storage_remap, fusing=req.compiler == "inductor")
+        fusing = req.compiler == "inductor"
+
+        def build(gm: fx.GraphModule) -> JointGraph:
+            return JointGraph.build(gm, num_fwd_outputs, cost, storage_remap, fusing=fusing)
+
+        jg = build(joint)
+        if add_backward_copies(jg):
+            jg = build(joint)
         grad_bytes = sum(jg.storage_bytes[s] for s in {jg.storage[i] for i in jg.bwd_outputs} if s >= 0)
         step_floor = grad_bytes + req.optimizer_step_bytes if req.optimizer_step_bytes else 0
         reserved = req.reserved_bytes()
+        limit = None if req.budget_bytes is None else req.budget_bytes - reserved - req.margin()
+        second = None
         if req.reuse is not None:
+            if req.reuse.second_recomputation:
+                second = SecondRecomputation(**req.reuse.second_recomputation)
+                apply_second_recomputation(jg, second)
+                jg = build(jg.gm)
             trajectory = reuse_trajectory(req.reuse, jg, graph_record(jg), step_floor)
             floor_choice = choice = trajectory.unconstrained
             floor_bytes = req.reuse.floor_bytes
-            if req.budget_bytes is not None and trajectory.peak(choice) > req.budget_bytes - reserved - req.margin():
+            if limit is not None and trajectory.peak(choice) > limit:
                 choice = None
         else:
             trajectory = plan_trajectory(jg, floor_bytes=step_floor)
+            choice = trajectory.unconstrained if limit is None else trajectory.choose(limit)
+            floor_peak = trajectory.peak(trajectory.smallest)
+            alternative = _second_recomputation(jg, trajectory, build)
+            if alternative is not None:
+                floor_peak = alternative[2].peak(alternative[2].smallest)
+                if choice is None:  # below the floor of running each forward op again at most once
+                    second, jg, trajectory = alternative
+                    choice = trajectory.choose(limit)
             floor_choice = trajectory.smallest
-            floor_bytes = req.budget_for(trajectory.peak(floor_choice))
-            if req.budget_bytes is None:
-                choice = trajectory.unconstrained
-            else:
-                choice = trajectory.choose(req.budget_bytes - reserved - req.margin())
+            floor_bytes = req.budget_for(floor_peak)
         planning_s = time.perf_counter() - t0
         if choice is None:
-            plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s)
+            plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s, second)
             raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan)
-        plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s)
+        plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second)
         log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
         fw, bw = _emit(jg, choice)
         if req.on_plan is not None:
@@ -98,6 +134,34 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         return fw, bw
 
     return partition_fn
+
+
+def _second_recomputation(
+    jg: JointGraph, trajectory: Trajectory, build: Callable[[fx.GraphModule], JointGraph]
+) -> tuple[SecondRecomputation, JointGraph, Trajectory] | None:
+    """The joint graph where the backward computes some saved values a second time (see
+    `again.plan_second_recomputation`), planned, when that reaches a lower floor."""
+    smallest = trajectory.smallest
+    peak = trajectory.peak(smallest)
+    second = plan_second_recomputation(jg, smallest.saved, peak // _SECOND_MIN_SHARE)
+    if second is None:
+        return None
+    other = build(_copy_graph(jg.gm))
+    apply_second_recomputation(other, second)
+    other = build(other.gm)
+    planned = plan_trajectory(other, floor_bytes=trajectory.floor_bytes)
+    if planned.peak(planned.smallest) > (1 - _SECOND_MIN_GAIN) * peak:
+        return None
+    return second, other, planned
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose nodes carry the same values (fake tensors, so the same storages)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    output = graph.output(out)
+    output.meta = dict(next(iter(gm.graph.find_nodes(op="output"))).meta)
+    return fx.GraphModule(gm, graph)
 
 
 def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -182,8 +246,11 @@ def _make_plan(
     choice: Choice,
     floor_bytes: int,
     planning_s: float,
+    second: SecondRecomputation | None = None,
 ) -> Plan:
     tl = choice.timeline
+    copies = [i for i, node in enumerate(jg.nodes) if COPY_OF in node.meta]
+    copies_s = sum(jg.cost_s[i] for i in copies)
     recomputed = set(tl.recomputed)
     candidates = sorted(set(jg.boundary()) | recomputed | {i for i, s in enumerate(choice.saved) if s})
     decisions = []
@@ -210,6 +277,8 @@ def _make_plan(
                 reason=reason,
             )
         )
+    if second is not None:
+        decisions += _second_decisions(jg, second, copies)
     reserved = req.reserved_bytes()
     graph = graph_record(jg)
     static = dict(req.static_bytes)
@@ -224,7 +293,7 @@ def _make_plan(
         decisions=decisions,
         rewrites=dict(req.rewrites),
         saved_bytes=sum(jg.storage_bytes[s] for s in tl.saved_interval),
-        added_time_s=tl.recompute_s,
+        added_time_s=tl.recompute_s + copies_s,
         planning_s=planning_s,
         compiler=req.compiler,
         device=str(req.device),
@@ -233,4 +302,28 @@ def _make_plan(
         graph=graph,
         fingerprint=fingerprint(graph),
         saved_nodes=[jg.nodes[i].name for i, s in enumerate(choice.saved) if s],
+        second_recomputation=asdict(second) if second is not None else {},
     )
+
+
+def _second_decisions(jg: JointGraph, second: SecondRecomputation, copies: list[int]) -> list[Decision]:
+    """One decision per value the backward computes a second time, its cost the copies'."""
+    index = {node.name: i for i, node in enumerate(jg.nodes)}
+    cost_s = sum(jg.cost_s[i] for i in copies if jg.nodes[i].meta[COPY_OF] not in set(second.downstream))
+    out = []
+    for name in second.dropped:
+        node = jg.nodes[index[name]]
+        val = node.meta["val"]
+        out.append(
+            Decision(
+                name=name,
+                nbytes=val.numel() * val.element_size(),
+                action="recompute",
+                cost_s=cost_s / len(second.dropped),
+                op=str(node.target),
+                module=module_path(node),
+                source=source_line(node),
+                reason="computed again in backward from earlier saved values, the ops between run a second time",
+            )
+        )
+    return out

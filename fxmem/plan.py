@@ -63,6 +63,9 @@ class Plan:
     # with equal shapes and values that `tie_weights=True` would tie.
     tied_weights: list[list[str]] = field(default_factory=list)
     tie_candidates: list[list[str]] = field(default_factory=list)
+    # Saved values the backward computes a second time from earlier saved ones, by node name
+    # ({"dropped", "chain", "downstream"}; see `again.SecondRecomputation`); empty when none.
+    second_recomputation: dict = field(default_factory=dict, repr=False)
 
     @property
     def saved(self) -> list[Decision]:
@@ -102,6 +105,12 @@ class Plan:
             "  at the peak:",
         ]
         lines += [f"    {k:<16} {format_bytes(v)}" for k, v in self.breakdown.items()]
+        if self.second_recomputation:
+            dropped = self.second_recomputation["dropped"]
+            lines.append(
+                f"  computed twice:  {len(dropped)} saved values made again in backward from earlier saved ones "
+                f"({len(self.second_recomputation['chain'])} ops run a second time)"
+            )
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in self.rewrites.items()))
         biggest = sorted(self.decisions, key=lambda d: -d.nbytes)[:top]

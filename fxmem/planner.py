@@ -24,6 +24,7 @@ __all__ = ["Choice", "Trajectory", "plan_trajectory"]
 
 _BATCH_FRACTION = 0.04  # bytes unsaved per step, as a share of the current peak
 _POLISH_TRIES = 40
+_RETRIES = 2  # walks on after moves refused before were allowed again
 
 
 @dataclass
@@ -209,8 +210,14 @@ def _walk(jg: JointGraph, order: Callable[[_Move], tuple]) -> list[Choice]:
     tried: set[int] = set()
     kept: set[int] = set()  # storages saved by a _save_instead move: never unsaved again
     single = False
+    retries = 0
     while True:
         moves = sorted(_moves(jg, saved, tl, tried | kept) + _save_instead(jg, tl, saved, tried), key=order)
+        if not moves and tried and retries < _RETRIES:
+            # A move refused at an earlier peak may lower the peak the walk ended at.
+            retries += 1
+            tried = set()
+            continue
         if not moves:
             break
         want = 1 if single else max(1, int(_BATCH_FRACTION * tl.peak_bytes))

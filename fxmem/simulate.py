@@ -83,8 +83,12 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         done[i] = True
         order.append(i)
 
+    early = jg.early_gradients
+
     def extra(u: int) -> bool:
         """May run early, though nothing asked for it yet: see `bring`."""
+        if u in early or (jg.nodes[u].target is operator.getitem and needed[u] and not jg.banned[u]):
+            return not done[u]  # an early gradient, or an output of an op just run
         return u < jg.first_bwd and jg.kind[u] in (FWD, BWD) and needed[u] and not done[u] and not jg.banned[u]
 
     def bring(root: int) -> None:
@@ -93,7 +97,8 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         Readers of what is brought that stand before the gradients in the graph (recomputed
         forward values; values only the backward reads) join in as soon as their inputs are
         there rather than when the backward first asks for them: a loop run in the backward
-        (the chunked loss's chunks) then frees each chunk's values before the next starts.
+        (the chunked loss's chunks) then frees each chunk's values before the next starts. So
+        do gradients that sum a larger value (a bias's), which then need not hold it.
         """
         if done[root]:
             return

@@ -297,6 +297,26 @@ def test_the_outputs_of_a_reduction_are_stored_not_computed_again():
     assert all(_inlinable(n) for n in nodes if n.target is torch.ops.aten.sub.Tensor)
 
 
+def test_an_embedding_is_computed_in_its_readers_and_its_gradient_scattered_in_a_kernel():
+    """Inductor loads an embedding's rows inside the kernels that read them (nothing written
+    out for a lookup only fusible ops read) and scatters its gradient into zeros in a kernel of
+    its own: counted as library calls, the lookup kept its table rows alive and the scatter
+    was charged twice (the zeros and the sum)."""
+
+    def f(w, idx, g):
+        rows = F.embedding(idx, w)  # (B, T, C)
+        # embedding_dense_backward as inductor decomposes it
+        grad = torch.ops.aten.index_put(torch.zeros_like(w), [idx.reshape(-1)], g.reshape(-1, w.shape[1]), True)
+        return (rows * 2).sum(), grad
+
+    nodes, users = _aten_graph(f, torch.randn(64, 8), torch.randint(0, 64, (4, 16)), torch.randn(4, 16, 8))
+    fusible, folded = _kernel_ops(nodes, users)
+    (lookup,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.embedding.default]
+    assert fusible[lookup] and _inlinable(nodes[lookup])
+    scatters = [i for i, n in enumerate(nodes) if "index_put" in str(n.target)]
+    assert scatters and all(fusible[i] and not _inlinable(nodes[i]) for i in scatters)
+
+
 def _in_place_case(f, *args):
     nodes, _ = _aten_graph(f, *args)
     named = {n.name: i for i, n in enumerate(nodes)}
