@@ -26,6 +26,7 @@ __all__ = [
     "boxed_graph_function",
     "extract_fwd_bwd",
     "fake_rerun",
+    "is_aten_op",
     "inductor_compile",
     "is_module_buffer",
     "is_primal",
@@ -79,6 +80,12 @@ def boxed_graph_function(gm: torch.fx.GraphModule) -> Any:
 
     run._boxed_call = True
     return run
+
+
+def is_aten_op(target: Any) -> bool:
+    """Whether an fx node's target is an op overload (aten, prims, a custom op), as opposed to a
+    higher-order op or a Python function."""
+    return isinstance(target, torch._ops.OpOverload)
 
 
 def fake_rerun(node: torch.fx.Node) -> Any:

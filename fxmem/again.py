@@ -26,7 +26,8 @@ idea goes further: `plan_second_recomputation` drops saved values (a block's res
 after attention) that the backward then rebuilds from earlier saved ones, running the ops
 between (the attention) a second time, and `apply_second_recomputation` rewrites a copy of
 the joint graph so; the planner plans that graph too and the budget picks (see
-`partition`). Both are exact: the same ops on the same values.
+`partition`). Both run the same ops on the same values; like any recomputation, what the
+backward reads then agrees with the forward's values to float rounding.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from fxmem.graph import BWD, FWD, PRIMAL, JointGraph, _op_name
 
 __all__ = [
     "COPY_OF",
+    "SECOND",
     "SecondRecomputation",
     "add_backward_copies",
     "apply_second_recomputation",
@@ -51,6 +53,7 @@ __all__ = [
 ]
 
 COPY_OF = "fxmem_copy_of"  # node.meta key: the forward node a backward copy computes again
+SECOND = "fxmem_second"  # node.meta key: set on the copies of a second recomputation
 
 # Gathers of rows (a token embedding): as cheap to run again as an element-wise op.
 _LOOKUPS = {"embedding", "index_select", "gather"}
@@ -69,7 +72,7 @@ def add_backward_copies(jg: JointGraph) -> int:
 
     def worth_a_copy(x: int) -> bool:
         s = jg.storage[x]
-        if jg.kind[x] != FWD or s < 0 or jg.banned[x] or not jg.inlinable[x] or _is_view(jg, x):
+        if jg.kind[x] != FWD or jg.banned[x] or not jg.inlinable[x] or not _is_base(jg, x):
             return False
         if any(jg.kind[j] == PRIMAL for j in _group(jg, x)):
             return False
@@ -95,7 +98,8 @@ def add_backward_copies(jg: JointGraph) -> int:
             copied.append(x)
             chains |= chain
     if copied:
-        _read_copies(jg, _make_copies(jg, sorted(chains)), {j for x in copied for j in _group(jg, x)})
+        copies = _make_copies(jg, sorted(chains))
+        _read_copies(jg, copies, {j for x in copied for j in _group(jg, x)}, set(copies.values()))
     return len(copied)
 
 
@@ -130,7 +134,7 @@ def plan_second_recomputation(jg: JointGraph, saved: list[bool], min_bytes: int)
     dropped: set[int] = set()
     chain: set[int] = set()
     for x in sorted(kept):
-        if jg.storage_bytes[jg.storage[x]] < min_bytes or jg.banned[x] or _is_view(jg, x):
+        if not _is_base(jg, x) or jg.banned[x] or jg.storage_bytes[jg.storage[x]] < min_bytes:
             continue
         if not any(jg.kind[u] == BWD for j in _group(jg, x) for u in jg.users[j]):
             continue
@@ -142,10 +146,13 @@ def plan_second_recomputation(jg: JointGraph, saved: list[bool], min_bytes: int)
         return None
     needed = _needed(jg)
     downstream: set[int] = set()
+    rebuilt = {j for x in dropped for j in _group(jg, x)}  # the dropped values and their views
     for v in range(min(dropped), n):
         if jg.kind[v] != FWD or v in chain or (v in kept and v not in dropped) or not needed[v] or jg.banned[v]:
             continue
-        if any(j in dropped or j in downstream for j in jg.inputs[v]):
+        if not _plain_op(jg.nodes[v]):
+            continue  # its backward readers keep reading it, made from the forward's values
+        if any(j in rebuilt or j in downstream for j in jg.inputs[v]):
             downstream.add(v)
     names = [node.name for node in jg.nodes]
     return SecondRecomputation(
@@ -165,10 +172,14 @@ def apply_second_recomputation(jg: JointGraph, second: SecondRecomputation) -> N
     downstream = [index[name] for name in second.downstream]
     chain = {index[name] for name in second.chain} | {j for x in dropped for j in _group(jg, x)}
     copies = _make_copies(jg, sorted(chain | set(downstream)))
+    made = set(copies.values())
     if jg.fusible:
         for x in dropped:
             copies[x] = _store(jg.gm.graph, copies[x])
-    _read_copies(jg, copies, {j for x in dropped for j in _group(jg, x)} | set(downstream))
+            made.add(copies[x])
+    for node in made:
+        node.meta[SECOND] = True
+    _read_copies(jg, copies, {j for x in dropped for j in _group(jg, x)} | set(downstream), made)
 
 
 @torch.library.custom_op("fxmem::stored", mutates_args=())
@@ -211,7 +222,7 @@ def _chain(
     parameters and inputs), or None when one of them is not `allowed`, must run once, or
     there are more than `limit`."""
     chain = set(_group(jg, x))
-    if any(jg.nodes[j].op != "call_function" for j in chain):
+    if not all(_plain_op(jg.nodes[j]) for j in chain):
         return None
     todo = [x]
     while todo:
@@ -219,7 +230,7 @@ def _chain(
         for j in jg.inputs[i]:
             if j in chain or jg.kind[j] == PRIMAL or jg.is_sym[j] or jg.nodes[j].op != "call_function" or stop(j):
                 continue  # read as it is: an input, a constant, or a value there anyway
-            if jg.kind[j] != FWD or jg.banned[j] or len(chain) >= limit or not allowed(j):
+            if jg.kind[j] != FWD or jg.banned[j] or len(chain) >= limit or not allowed(j) or not _plain_op(jg.nodes[j]):
                 return None
             chain.add(j)
             todo.append(j)
@@ -243,14 +254,14 @@ def _make_copies(jg: JointGraph, nodes: list[int]) -> dict[int, fx.Node]:
     return copies
 
 
-def _read_copies(jg: JointGraph, copies: dict[int, fx.Node], values: set[int]) -> None:
-    """Make the backward readers of `values` read their copies, each copy placed where it is
-    first read."""
+def _read_copies(jg: JointGraph, copies: dict[int, fx.Node], values: set[int], made: set[fx.Node]) -> None:
+    """Make the backward readers of `values` read their copies; place each node `made` where
+    it is first read."""
     for w in values:
         for u in list(jg.users[w]):
             if jg.kind[u] == BWD:
                 jg.nodes[u].replace_input_with(jg.nodes[w], copies[w])
-    _place_copies(jg.gm.graph, set(copies.values()))
+    _place_copies(jg.gm.graph, made)
     jg.gm.graph.lint()
     jg.gm.recompile()
 
@@ -278,9 +289,33 @@ def _place_copies(graph: fx.Graph, copies: set[fx.Node]) -> None:
 
 
 def _group(jg: JointGraph, x: int) -> list[int]:
-    """`x` and the forward views of it."""
+    """`x` and the forward views made from it (not other outputs of an op that shares its
+    storage, such as the other parts of a split)."""
     s = jg.storage[x]
-    return [j for j in range(x, len(jg.nodes)) if jg.storage[j] == s and jg.kind[j] == FWD]
+    group, todo = [x], [x]
+    while todo:
+        for u in jg.users[todo.pop()]:
+            if jg.storage[u] == s and jg.kind[u] == FWD and u not in group:
+                group.append(u)
+                todo.append(u)
+    return group
+
+
+def _is_base(jg: JointGraph, i: int) -> bool:
+    """Whether node `i` made its storage (the first node that holds it): not a view, nor a part
+    of a split (whose storage its input made)."""
+    s = jg.storage[i]
+    return s >= 0 and jg.storage_maker[s] == i
+
+
+def _plain_op(node: fx.Node) -> bool:
+    """An aten op (or an output of one) that reads only values: not a higher-order op with
+    subgraphs (torch.cond, flex attention) or anything else a copy could not run again as is."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    return tp.is_aten_op(node.target) and all(a.op != "get_attr" for a in node.all_input_nodes)
 
 
 def _is_view(jg: JointGraph, i: int) -> bool:

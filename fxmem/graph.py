@@ -501,6 +501,16 @@ class JointGraph:
         return sum(self.storage_bytes[s] for s in seen)
 
     @functools.cached_property
+    def storage_maker(self) -> list[int]:
+        """Per storage, the first node that holds it: the op that made it (its views and the
+        parts of a split come later)."""
+        maker = [-1] * len(self.storage_bytes)
+        for i, s in enumerate(self.storage):
+            if s >= 0 and maker[s] < 0:
+                maker[s] = i
+        return maker
+
+    @functools.cached_property
     def early_gradients(self) -> frozenset[int]:
         """Gradients a fusing compiler reduces from a larger backward value (a bias's, summed
         over the rows of its output's gradient): the backward makes them as soon as it can, so

@@ -26,6 +26,7 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem.again import (
     COPY_OF,
+    SECOND,
     SecondRecomputation,
     add_backward_copies,
     apply_second_recomputation,
@@ -102,7 +103,9 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         second = None
         if req.reuse is not None:
             if req.reuse.second_recomputation:
+                # On a copy of the graph, as when it was planned: the copies' names must match.
                 second = SecondRecomputation(**req.reuse.second_recomputation)
+                jg = build(_copy_graph(jg.gm))
                 apply_second_recomputation(jg, second)
                 jg = build(jg.gm)
             trajectory = reuse_trajectory(req.reuse, jg, graph_record(jg), step_floor)
@@ -146,10 +149,14 @@ def _second_recomputation(
     second = plan_second_recomputation(jg, smallest.saved, peak // _SECOND_MIN_SHARE)
     if second is None:
         return None
-    other = build(_copy_graph(jg.gm))
-    apply_second_recomputation(other, second)
-    other = build(other.gm)
-    planned = plan_trajectory(other, floor_bytes=trajectory.floor_bytes)
+    try:
+        other = build(_copy_graph(jg.gm))
+        apply_second_recomputation(other, second)
+        other = build(other.gm)
+        planned = plan_trajectory(other, floor_bytes=trajectory.floor_bytes)
+    except Exception as err:  # an option for lower budgets: the first graph's plans stand without it
+        log.warning("fxmem: no second recomputation for this graph (%s: %s)", type(err).__name__, err)
+        return None
     if planned.peak(planned.smallest) > (1 - _SECOND_MIN_GAIN) * peak:
         return None
     return second, other, planned
@@ -309,7 +316,12 @@ def _make_plan(
 def _second_decisions(jg: JointGraph, second: SecondRecomputation, copies: list[int]) -> list[Decision]:
     """One decision per value the backward computes a second time, its cost the copies'."""
     index = {node.name: i for i, node in enumerate(jg.nodes)}
-    cost_s = sum(jg.cost_s[i] for i in copies if jg.nodes[i].meta[COPY_OF] not in set(second.downstream))
+    # what the copies of the dropped values and of the ops between cost (not those downstream,
+    # which stand in for values the backward would have recomputed anyway)
+    downstream = set(second.downstream)
+    cost_s = sum(
+        jg.cost_s[i] for i in copies if SECOND in jg.nodes[i].meta and jg.nodes[i].meta[COPY_OF] not in downstream
+    )
     out = []
     for name in second.dropped:
         node = jg.nodes[index[name]]

@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Decision", "Plan", "format_bytes"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
-_READABLE_VERSIONS = (1, 2)  # version 1 lacks timeline, graph, fingerprint and saved_nodes
+# version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation
+_READABLE_VERSIONS = (1, 2, 3)
 
 
 def format_bytes(n: float) -> str:

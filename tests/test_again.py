@@ -147,3 +147,26 @@ def test_a_bias_gradient_is_summed_before_the_matmuls_that_read_its_input(monkey
         matmuls += [u for v in jg.users[grad] if jg.storage[v] == jg.storage[grad] for u in jg.users[v]]
         matmuls = [u for u in matmuls if not jg.fusible[u]]
         assert matmuls and all(pos[i] < pos[u] for u in matmuls), jg.nodes[i].name
+
+
+def test_a_graph_with_a_higher_order_op_is_planned():
+    """Copies run only plain ops: a value made through a subgraph (torch.cond) is not copied."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(32)
+            self.fc = torch.nn.Linear(32, 32)
+            self.out = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (self.fc(self.ln(x)),))
+            return self.out(self.ln(h) + x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(64, 32)
+    step(model, x)
+    ref = grads_of(model)
+    zero_grads(model)
+    step(fxmem.optimize(model, 1.0, example_inputs=(x,)), x)
+    assert max_rel_err(grads_of(model), ref) < 1e-5

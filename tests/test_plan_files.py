@@ -47,7 +47,7 @@ def saved(tmp_path_factory):
 def test_plan_json_schema(saved):
     plan, directory = saved
     data = json.loads((directory / "plan.json").read_text())
-    assert data["schema_version"] == 2
+    assert data["schema_version"] == 3
     for key in ("budget_bytes", "floor_bytes", "predicted_peak_bytes", "breakdown", "decisions", "rewrites"):
         assert key in data
     assert set(data["breakdown"]) >= {"parameters", "saved activations", "temporaries"}
@@ -192,7 +192,7 @@ def test_torch_logs_name_and_tlparse_artifact():
     artifacts = [r for r in records if "fxmem_plan" in str(getattr(r, "metadata", r.msg))]
     assert artifacts, [str(r.msg)[:80] for r in records][:5]
     payload = json.loads(artifacts[-1].payload)
-    assert payload["schema_version"] == 2 and payload["predicted_peak_bytes"] > 0
+    assert payload["schema_version"] == 3 and payload["predicted_peak_bytes"] > 0
 
 
 def _hf_llama():
