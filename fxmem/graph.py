@@ -118,7 +118,26 @@ def _fusible(node: fx.Node) -> bool:
         return isinstance(node.args[0], fx.Node) and _fusible(node.args[0])
     if torch.Tag.pointwise in getattr(node.target, "tags", ()):
         return True
+    if _op_name(node) in _SCATTERS:
+        return _scatter_fused(node)
     return _op_name(node) in _FUSIBLE_NON_POINTWISE or _view_like(node)
+
+
+_SCATTERS = {"index_put", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate"}
+
+
+def _scatter_fused(node: fx.Node) -> bool:
+    """Whether inductor scatters in a kernel of its own rather than calling aten's index_put: not
+    under deterministic algorithms, nor for integer or boolean sums, nor for bf16 sums on GPUs
+    without bf16 atomic adds (before compute capability 9.0)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype in (torch.int64, torch.bool):
+        return False
+    if val.dtype == torch.bfloat16 and val.device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(val.device) >= (9, 0)
+    return True
 
 
 def _op_name(node: fx.Node) -> str:

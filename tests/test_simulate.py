@@ -315,6 +315,12 @@ def test_an_embedding_is_computed_in_its_readers_and_its_gradient_scattered_in_a
     assert fusible[lookup] and _inlinable(nodes[lookup])
     scatters = [i for i, n in enumerate(nodes) if "index_put" in str(n.target)]
     assert scatters and all(fusible[i] and not _inlinable(nodes[i]) for i in scatters)
+    # under deterministic algorithms inductor calls aten's index_put instead
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not any(_kernel_ops(nodes, users)[0][i] for i in scatters)
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def _in_place_case(f, *args):
