@@ -41,7 +41,8 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem.errors import PlanMismatchError
-from fxmem.graph import BWD, FWD, PRIMAL, JointGraph, _op_name
+from fxmem.graph import BWD, FWD, PRIMAL, JointGraph
+from fxmem.kernels import op_name
 
 __all__ = [
     "COPY_OF",
@@ -74,15 +75,13 @@ def add_backward_copies(jg: JointGraph) -> int:
         s = jg.storage[x]
         if jg.kind[x] != FWD or jg.banned[x] or not jg.inlinable[x] or not _is_base(jg, x):
             return False
-        if any(jg.kind[j] == PRIMAL for j in _group(jg, x)):
-            return False
         reads = [u for j in _group(jg, x) for u in jg.users[j]]
         return any(jg.kind[u] == BWD for u in reads) and any(
-            jg.kind[u] == FWD and jg.storage[u] != s and needed[u] and not _is_view(jg, u) for u in reads
+            jg.kind[u] == FWD and jg.storage[u] != s and needed[u] and not jg.is_view(u) for u in reads
         )
 
     def cheap(j: int) -> bool:
-        return jg.inlinable[j] or _op_name(jg.nodes[j]) in _LOOKUPS
+        return jg.inlinable[j] or op_name(jg.nodes[j]) in _LOOKUPS
 
     copied: list[int] = []
     chains: set[int] = set()
@@ -169,9 +168,9 @@ def apply_second_recomputation(jg: JointGraph, second: SecondRecomputation) -> N
     if missing:
         raise PlanMismatchError(f"the saved plan computes {missing[0]} again, which this graph lacks; plan again")
     dropped = [index[name] for name in second.dropped]
-    downstream = [index[name] for name in second.downstream]
-    chain = {index[name] for name in second.chain} | {j for x in dropped for j in _group(jg, x)}
-    copies = _make_copies(jg, sorted(chain | set(downstream)))
+    downstream = {index[name] for name in second.downstream}
+    rebuilt = {j for x in dropped for j in _group(jg, x)}  # the dropped values and their views
+    copies = _make_copies(jg, sorted({index[name] for name in second.chain} | rebuilt | downstream))
     made = set(copies.values())
     if jg.fusible:
         for x in dropped:
@@ -179,7 +178,7 @@ def apply_second_recomputation(jg: JointGraph, second: SecondRecomputation) -> N
             made.add(copies[x])
     for node in made:
         node.meta[SECOND] = True
-    _read_copies(jg, copies, {j for x in dropped for j in _group(jg, x)} | set(downstream), made)
+    _read_copies(jg, copies, rebuilt | downstream, made)
 
 
 @torch.library.custom_op("fxmem::stored", mutates_args=())
@@ -316,7 +315,3 @@ def _plain_op(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     return tp.is_aten_op(node.target) and all(a.op != "get_attr" for a in node.all_input_nodes)
-
-
-def _is_view(jg: JointGraph, i: int) -> bool:
-    return any(jg.storage[j] == jg.storage[i] for j in jg.inputs[i])

@@ -13,6 +13,7 @@ only for budgets the first cannot reach (`_second_recomputation`).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
@@ -105,9 +106,7 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             if req.reuse.second_recomputation:
                 # On a copy of the graph, as when it was planned: the copies' names must match.
                 second = SecondRecomputation(**req.reuse.second_recomputation)
-                jg = build(_copy_graph(jg.gm))
-                apply_second_recomputation(jg, second)
-                jg = build(jg.gm)
+                jg = _with_second_recomputation(jg, second, build)
             trajectory = reuse_trajectory(req.reuse, jg, graph_record(jg), step_floor)
             floor_choice = choice = trajectory.unconstrained
             floor_bytes = req.reuse.floor_bytes
@@ -150,9 +149,7 @@ def _second_recomputation(
     if second is None:
         return None
     try:
-        other = build(_copy_graph(jg.gm))
-        apply_second_recomputation(other, second)
-        other = build(other.gm)
+        other = _with_second_recomputation(jg, second, build)
         planned = plan_trajectory(other, floor_bytes=trajectory.floor_bytes)
     except Exception as err:  # an option for lower budgets: the first graph's plans stand without it
         log.warning("fxmem: no second recomputation for this graph (%s: %s)", type(err).__name__, err)
@@ -162,13 +159,27 @@ def _second_recomputation(
     return second, other, planned
 
 
-def _copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` whose nodes carry the same values (fake tensors, so the same storages)."""
+def _with_second_recomputation(
+    jg: JointGraph, second: SecondRecomputation, build: Callable[[fx.GraphModule], JointGraph]
+) -> JointGraph:
+    """`jg`'s graph with `second` applied, on a copy: `jg` stays as it was."""
+    copy = _copy_graph(jg)
+    apply_second_recomputation(copy, second)
+    return build(copy.gm)
+
+
+def _copy_graph(jg: JointGraph) -> JointGraph:
+    """`jg` over a copy of its graph: the same nodes in the same order, carrying the same values
+    (fake tensors, so the same storages), so every array of `jg` describes the copy too."""
     graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    nodes: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(jg.gm.graph, nodes)
     output = graph.output(out)
-    output.meta = dict(next(iter(gm.graph.find_nodes(op="output"))).meta)
-    return fx.GraphModule(gm, graph)
+    output.meta = dict(next(iter(jg.gm.graph.find_nodes(op="output"))).meta)
+    copied = [nodes[n] for n in jg.nodes]
+    return dataclasses.replace(
+        jg, gm=fx.GraphModule(jg.gm, graph), nodes=copied, index={n: i for i, n in enumerate(copied)}
+    )
 
 
 def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModule]:

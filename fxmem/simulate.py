@@ -13,7 +13,7 @@ value only fusible ops read is never stored, so its inputs live until its last r
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
-compute them inline (see `graph._stored_on_reuse`). Kernels never merge across a library call:
+compute them inline (see `kernels.stored_on_reuse`). Kernels never merge across a library call:
 fxmem's compile keeps inductor from fusing unrelated kernels across one (see
 `_torch_private._fusion_choices`). Each rule was checked against inductor's
 generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
@@ -22,7 +22,6 @@ generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 from __future__ import annotations
 
 import heapq
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -83,11 +82,11 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         done[i] = True
         order.append(i)
 
-    early = jg.early_gradients
+    early, parts = jg.early_gradients, jg.tuple_parts
 
     def extra(u: int) -> bool:
         """May run early, though nothing asked for it yet: see `bring`."""
-        if u in early or (jg.nodes[u].target is operator.getitem and needed[u] and not jg.banned[u]):
+        if u in early or (u in parts and needed[u] and not jg.banned[u]):
             return not done[u]  # an early gradient, or an output of an op just run
         return u < jg.first_bwd and jg.kind[u] in (FWD, BWD) and needed[u] and not done[u] and not jg.banned[u]
 
@@ -168,7 +167,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         """A recomputed value a fusing compiler never writes out: it is not materialised,
         and the fusible ops that read it in the backward each compute it inside their own
         kernel (a value several kernels read is stored when it is costly: see
-        graph._stored_on_reuse)."""
+        kernels.stored_on_reuse)."""
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
         readers = [u for u in jg.users[i] if jg.kind[u] == BWD or u in rset]
@@ -300,7 +299,7 @@ def _outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:
         inputs = {jg.storage[j] for j in jg.inputs[i]}
         for u in jg.users[i]:
             s = jg.storage[u]
-            if jg.nodes[u].target is operator.getitem and s >= 0 and s not in inputs and pos.get(u, -1) > t:
+            if u in jg.tuple_parts and s >= 0 and s not in inputs and pos.get(u, -1) > t:
                 out.setdefault(t, []).append(s)
     return out
 

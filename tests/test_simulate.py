@@ -17,15 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
-from fxmem.graph import (
-    JointGraph,
-    _aliased_input,
-    _inlinable,
-    _is_impure,
-    _is_random,
-    _kernel_ops,
-    _materialized_storages,
-)
+from fxmem.graph import JointGraph, _aliased_input, _is_impure, _is_random
+from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages
 from fxmem.planner import plan_trajectory
 from fxmem.probe import workspace_bytes
 from fxmem.simulate import _kernel_ends, _outputs_made_at, _reads_in_place, simulate, simulate_modules
@@ -246,14 +239,14 @@ def test_a_matmul_sum_accumulated_over_a_loop_holds_two_sums():
         return acc * 2.0
 
     nodes, users = _aten_graph(accumulate, torch.randn(4, 8, 16), torch.randn(4, 8, 32))
-    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *_kernel_ops(nodes, users))
+    mat = materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *kernel_ops(nodes, users))
     adds = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.add.Tensor]
     mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
     assert len(adds) == 3 and len(mms) == 4
     assert all(mat[i] for i in adds), "each running sum is an addmm's output"
     assert mat[mms[0]], "the first product is the first addmm's input"
     assert not any(mat[i] for i in mms[1:]), "the other products are written straight into the sums"
-    fusible, folded = _kernel_ops(nodes, users)
+    fusible, folded = kernel_ops(nodes, users)
     assert folded == set(mms[1:])
     assert not any(fusible[i] for i in adds), "an addmm is a library call: it never overwrites the sum it reads"
 
@@ -275,7 +268,7 @@ def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
         return both, top
 
     nodes, users = _aten_graph(f, torch.randn(8, 8))
-    mat = _materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *_kernel_ops(nodes, users))
+    mat = materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *kernel_ops(nodes, users))
     named = {n.name: i for i, n in enumerate(nodes)}
     assert mat[named["cat"]]
     assert not mat[named["sin"]] and not mat[named["cos"]], "computed inside the copies into the cat"
@@ -293,8 +286,8 @@ def test_the_outputs_of_a_reduction_are_stored_not_computed_again():
 
     nodes, _ = _aten_graph(f, torch.randn(8, 8))
     getitems = [n for n in nodes if n.target is operator.getitem]
-    assert len(getitems) == 2 and not any(_inlinable(n) for n in getitems)
-    assert all(_inlinable(n) for n in nodes if n.target is torch.ops.aten.sub.Tensor)
+    assert len(getitems) == 2 and not any(is_inlinable(n) for n in getitems)
+    assert all(is_inlinable(n) for n in nodes if n.target is torch.ops.aten.sub.Tensor)
 
 
 def test_an_embedding_is_computed_in_its_readers_and_its_gradient_scattered_in_a_kernel():
@@ -310,15 +303,15 @@ def test_an_embedding_is_computed_in_its_readers_and_its_gradient_scattered_in_a
         return (rows * 2).sum(), grad
 
     nodes, users = _aten_graph(f, torch.randn(64, 8), torch.randint(0, 64, (4, 16)), torch.randn(4, 16, 8))
-    fusible, folded = _kernel_ops(nodes, users)
+    fusible, folded = kernel_ops(nodes, users)
     (lookup,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.embedding.default]
-    assert fusible[lookup] and _inlinable(nodes[lookup])
+    assert fusible[lookup] and is_inlinable(nodes[lookup])
     scatters = [i for i, n in enumerate(nodes) if "index_put" in str(n.target)]
-    assert scatters and all(fusible[i] and not _inlinable(nodes[i]) for i in scatters)
+    assert scatters and all(fusible[i] and not is_inlinable(nodes[i]) for i in scatters)
     # under deterministic algorithms inductor calls aten's index_put instead
     torch.use_deterministic_algorithms(True)
     try:
-        assert not any(_kernel_ops(nodes, users)[0][i] for i in scatters)
+        assert not any(kernel_ops(nodes, users)[0][i] for i in scatters)
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -330,14 +323,14 @@ def _in_place_case(f, *args):
     for n in nodes:  # a view shares its base's storage
         if n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default):
             storage[named[n.name]] = storage[named[n.args[0].name]]
-    fusible, _ = _kernel_ops(nodes, [[named[u.name] for u in n.users if u.name in named] for n in nodes])
+    fusible, _ = kernel_ops(nodes, [[named[u.name] for u in n.users if u.name in named] for n in nodes])
     jg = SimpleNamespace(
         nodes=nodes,
         inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
         users=[[named[u.name] for u in n.users if u.name in named] for n in nodes],
         storage=storage,
         fusible=fusible,
-        inlinable=[_inlinable(n) for n in nodes],
+        inlinable=[is_inlinable(n) for n in nodes],
     )
     return jg, named, [1] * len(nodes)
 
@@ -378,6 +371,7 @@ def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
     nodes, users = _aten_graph(f, *(torch.randn(1, 2, 8, 4) for _ in range(3)))
     order = list(range(len(nodes)))
     named = {n.name: i for i, n in enumerate(nodes)}
+    getitems = [i for i, n in enumerate(nodes) if n.target is operator.getitem]
     jg = SimpleNamespace(
         nodes=nodes,
         inputs=[[named[a.name] for a in n.all_input_nodes] for n in nodes],
@@ -385,10 +379,10 @@ def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
         storage=[-1 if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default else i
                  for i, n in enumerate(nodes)],
         fusible=[],
+        tuple_parts=frozenset(getitems),
     )  # fmt: skip
     call = next(i for i, n in enumerate(nodes) if "flash" in str(n.target))
     made = _outputs_made_at(jg, order)
-    getitems = [i for i, n in enumerate(nodes) if n.target is operator.getitem]
     assert len(getitems) == 2 and sorted(made[call]) == getitems
 
 

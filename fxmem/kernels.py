@@ -1,0 +1,208 @@
+"""How a fusing compiler (inductor) runs the joint graph, as the simulation models it.
+
+Which ops it generates into fused loops rather than calling a library for, which of those a
+reader's kernel can compute again element by element, which values it writes to memory (read by
+a library call, a reduction, several kernels when recomputing inside each is not cheap), and
+where it folds an add into a matmul. Each rule was checked against inductor's generated code.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "is_fusible",
+    "is_inlinable",
+    "kernel_ops",
+    "materialized_storages",
+    "op_name",
+    "store_reused",
+    "stored_on_reuse",
+]
+
+
+# Fusible ops whose result inductor writes to a buffer of its own (which a kernel fused with
+# its only reader may keep to itself): reductions, its seeded random numbers, and scatters
+# into a buffer (an embedding's gradient: index_put into zeros, in the kernel around it).
+_SCATTERS = {"index_put", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate"}
+_STORED = {
+    "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all",
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+    "native_layer_norm", "native_layer_norm_backward", "inductor_random", "cat",
+} | _SCATTERS  # fmt: skip
+# Besides: element-wise ops without the pointwise tag; constants are computed in their readers;
+# a lookup of rows (an embedding) is an indexed load.
+_FUSIBLE_NON_POINTWISE = _STORED | {"where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding"}
+# Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
+# inputs are copied into, by loops fused with the kernel around them.
+_WRITTEN_OUT = {"cat"}
+
+
+def is_inlinable(node: fx.Node) -> bool:
+    """Fusible ops a reader's kernel can compute again element by element (not _STORED; an
+    output of a multi-output op, such as layer norm's mean, is inlinable when that op is)."""
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and is_inlinable(node.args[0])
+    return is_fusible(node) and op_name(node) not in _STORED
+
+
+def is_fusible(node: fx.Node) -> bool:
+    """Ops inductor generates into fused loops (as opposed to library calls like mm)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:  # an output of a multi-output op: fusible if it is
+        return isinstance(node.args[0], fx.Node) and is_fusible(node.args[0])
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return True
+    if op_name(node) in _SCATTERS:
+        return _scatter_fused(node)
+    return op_name(node) in _FUSIBLE_NON_POINTWISE or _view_like(node)
+
+
+def _scatter_fused(node: fx.Node) -> bool:
+    """Whether inductor scatters in a kernel of its own rather than calling aten's index_put: not
+    under deterministic algorithms, nor for integer or boolean sums, nor for bf16 sums on GPUs
+    without bf16 atomic adds (before compute capability 9.0)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype in (torch.int64, torch.bool):
+        return False
+    if val.dtype == torch.bfloat16 and val.device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.get_device_capability(val.device) >= (9, 0)
+    return True
+
+
+def op_name(node: fx.Node) -> str:
+    """The aten op's name without its overload ("sum" for aten.sum.dim_IntList)."""
+    return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+
+
+def _view_like(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def _folded_addmm(node: fx.Node, index: dict[fx.Node, int], users: list[list[int]]) -> int | None:
+    """The mm that inductor folds with `node` into one addmm (its position), or None.
+
+    Inductor rewrites `add(mm(a, b), c)` (either order) into `addmm(c, a, b)` when the mm has
+    no other reader and `c` is a tensor of the mm's dtype that broadcasts to its shape; on a
+    GPU it keeps them apart when every reader of the sum is pointwise. The addmm is a library
+    call: its output and `c` are written to memory, the mm's product never is on its own.
+    A sum accumulated over a loop of matmuls (the chunked loss's weight gradient) so holds the
+    running sum and the next one at once.
+    """
+    if node.op != "call_function" or node.target is not torch.ops.aten.add.Tensor or len(node.args) != 2:
+        return None
+    if node.kwargs.get("alpha", 1) != 1:
+        return None
+    for inp, mm in (node.args, node.args[::-1]):  # inductor tries add(c, mm) first
+        if not (isinstance(mm, fx.Node) and mm.target is torch.ops.aten.mm.default and isinstance(inp, fx.Node)):
+            continue
+        m, c = mm.meta.get("val"), inp.meta.get("val")
+        if len(users[index[mm]]) != 1 or not isinstance(m, torch.Tensor) or not isinstance(c, torch.Tensor):
+            continue
+        if (
+            c.dtype != m.dtype
+            or c.ndim > 2
+            or any(x not in (1, y) for x, y in zip(c.shape[::-1], m.shape[::-1], strict=False))
+        ):
+            continue
+        if m.device.type != "cpu" and all(torch.Tag.pointwise in getattr(u.target, "tags", ()) for u in node.users):
+            continue
+        return index[mm]
+    return None
+
+
+def kernel_ops(nodes: list[fx.Node], users: list[list[int]]) -> tuple[list[bool], set[int]]:
+    """Per node, whether inductor generates it into a fused loop (an add folded into an addmm
+    is a library call); and the mm nodes folded so."""
+    index = {n: i for i, n in enumerate(nodes)}
+    fusible = [is_fusible(n) for n in nodes]
+    folded: set[int] = set()
+    for i, n in enumerate(nodes):
+        mm = _folded_addmm(n, index, users)
+        if mm is not None:
+            fusible[i] = False
+            folded.add(mm)
+    return fusible, folded
+
+
+def materialized_storages(
+    nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int, fusible: list[bool], folded: set[int]
+) -> list[bool]:
+    """A storage is written to memory when some value in it is read by a non-fusible op (an
+    add folded into an addmm counts as one; the mm's own product is never written). `fusible`
+    and `folded` come from `kernel_ops`."""
+    mat = [False] * count
+    for i, n in enumerate(nodes):
+        s = storage[i]
+        if s < 0 or i in folded:
+            continue
+        if n.op == "placeholder" or not fusible[i] or op_name(n) in _WRITTEN_OUT:
+            mat[s] = True
+        elif any(not fusible[u] for u in users[i]) or not users[i]:
+            mat[s] = True
+    return mat
+
+
+# Ops whose value inductor stores, rather than computing it again inside every reader's
+# kernel, when several kernels read it (on CPU; see its `should_realize_on_reuse`).
+_HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
+_MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
+
+
+def stored_on_reuse(
+    nodes: list[fx.Node], inputs: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]
+) -> list[bool]:
+    """Per node: a fusing compiler stores its value when more than one kernel reads it.
+
+    A pointwise value that is not written out is computed inside the kernel of each of its
+    readers. Inductor does that while the computation is cheap: it stores the value instead
+    when the chain of unstored ops behind it applies a heavy op (exp, log, ...; on CPU) or
+    reads more than four stored buffers.
+    """
+    heavy = [False] * len(nodes)
+    reads: list[frozenset[int]] = [frozenset()] * len(nodes)
+    for i, n in enumerate(nodes):
+        val = n.meta.get("val")
+        on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
+        h = on_cpu and op_name(n) in _HEAVY_ON_CPU
+        r: set[int] = set()
+        for j in inputs[i]:
+            sj = storage[j]
+            if sj < 0:
+                continue
+            if mat[sj] or not inlinable[j]:
+                r.add(sj)
+            else:
+                h = h or heavy[j]
+                r |= reads[j]
+        heavy[i] = h
+        reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
+    return [h or len(r) > _MAX_INLINED_READS for h, r in zip(heavy, reads, strict=True)]
+
+
+def store_reused(
+    backward: list[bool],
+    users: list[list[int]],
+    storage: list[int],
+    mat: list[bool],
+    fusible: list[bool],
+    inlinable: list[bool],
+    stored: list[bool],
+) -> None:
+    """Mark written out the backward values several kernels read that a fusing compiler stores
+    rather than computing them in each (see `stored_on_reuse`; LayerNorm's input gradient
+    read by an embedding's two gradient scatters). Forward values are judged where the plan
+    recomputes them (`simulate`'s `inlined`)."""
+    for i, s in enumerate(storage):
+        if not backward[i] or s < 0 or mat[s] or not inlinable[i] or not stored[i]:
+            continue
+        readers = [u for u in users[i] if fusible[u] and storage[u] != s]
+        if len(readers) > 1:
+            mat[s] = True
