@@ -159,30 +159,42 @@ _INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "reorder_for_peak_memory": Fal
 
 @functools.cache
 def _fusion_choices() -> type:
-    """Inductor's fusion heuristics, less one: two kernels that do not depend on each other
-    are not fused when a library call (a matmul, attention) runs between them. Such a fusion
-    moves the earlier kernel's work past the call, so what it reads stays alive across it (a
-    LayerNorm's weight-gradient reduction fused with the next LayerNorm's holds two activations
-    over an attention backward); the plan counted them freed."""
+    """Inductor's fusion heuristics, less two: two kernels that do not depend on each other
+    are not fused when a library call (a matmul, attention) runs between them, and neither is
+    a reduction with a consumer that runs after one. Such a fusion moves the earlier kernel's
+    work past the call, so what it reads stays alive across it (a LayerNorm's weight-gradient
+    reduction fused with the next LayerNorm's holds two activations over an attention
+    backward; a bias gradient summed over chunks of rows, each chunk's sum fused into the
+    final add, holds every chunk's gradient); the plan counted them freed. A reduction's own
+    output is small: written out, it costs next to nothing."""
     import bisect
 
     from torch._inductor.choices import InductorChoices
 
+    def call_between(scheduler, first: int, last: int) -> bool:
+        calls = getattr(scheduler, "_fxmem_library_calls", None)
+        if calls is None:
+            calls = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
+            scheduler._fxmem_library_calls = calls
+        k = bisect.bisect_right(calls, first)
+        return k < len(calls) and calls[k] < last
+
     class FxmemChoices(InductorChoices):
         @staticmethod
         def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
-            calls = getattr(scheduler, "_fxmem_library_calls", None)
-            if calls is None:
-                calls = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
-                scheduler._fxmem_library_calls = calls
             first, last = min(node1.max_order, node2.max_order), max(node1.min_order, node2.min_order)
-            k = bisect.bisect_right(calls, first)
-            if k < len(calls) and calls[k] < last:
+            if call_between(scheduler, first, last):
                 return False
             return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 
+        @staticmethod
+        def can_fuse_vertical(scheduler, node1, node2, shared_data_score):
+            if node1.is_reduction() and call_between(scheduler, node1.max_order, node2.min_order):
+                return False
+            return InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score)
+
         def uuid(self) -> str:
-            return "fxmem-no-horizontal-fusion-across-library-calls-1"
+            return "fxmem-no-fusion-across-library-calls-2"
 
     return FxmemChoices
 
