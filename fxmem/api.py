@@ -48,7 +48,7 @@ def optimize(
     `compiler` is "inductor" (default) or "eager" (no code generation, for debugging).
 
     `passes` names the rewrite passes to run (default: the exact ones, `swap_sdpa`,
-    `fuse_projections`, `chunked_lm_loss`; `()` runs none). `precision="bf16"` also runs
+    `fuse_projections`, `chunked_attention`, `chunked_lm_loss`; `()` runs none). `precision="bf16"` also runs
     `bf16_regions`: autocast's bf16 policy over the step, fp32 master weights — numerics
     change, so it is opt-in.
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxmem.passes.bf16_regions import bf16_regions
+from fxmem.passes.chunked_attention import chunked_attention
 from fxmem.passes.chunked_lm_loss import chunked_lm_loss
 from fxmem.passes.fuse_projections import fuse_projections
 from fxmem.passes.swap_sdpa import swap_sdpa
@@ -26,6 +27,8 @@ PASSES: dict[str, tuple[PassFn, bool]] = {
     "swap_sdpa": (swap_sdpa, True),
     # After swap_sdpa, which reads q/k/v as separate values; before casts of whole regions.
     "fuse_projections": (fuse_projections, True),
+    # After swap_sdpa, whose SDPA calls it splits into groups of heads where SDPA runs its math form.
+    "chunked_attention": (chunked_attention, True),
     # Last: reads the LM head as the passes before it leave it.
     "chunked_lm_loss": (chunked_lm_loss, True),
     # Last: wraps what the other passes leave in one autocast region (opt-in: precision="bf16").

@@ -63,6 +63,18 @@ def calls(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
 
 
+def assert_dropped_attention_weights(
+    y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: float, band: float, scale: float
+) -> None:
+    """With v = I an attention output *is* its dropped-out weights: every entry is 0 or the
+    softmax weight / (1 - p), and the fraction of zeros is within `band` of p."""
+    weights = F.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)
+    kept = y != 0
+    assert torch.allclose(y[kept] * (1 - p), weights[kept], rtol=1e-5, atol=1e-7)
+    dropped = (~kept).float().mean().item()
+    assert abs(dropped - p) < band, dropped
+
+
 def grad_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     """Worst relative error over gradients, each measured against at least 1e-6 of the largest.
 

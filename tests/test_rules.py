@@ -261,8 +261,9 @@ def test_insert_call_and_call_leaf():
 
 
 def test_pipeline_order_and_defaults():
-    assert list(PASSES)[:3] == ["swap_sdpa", "fuse_projections", "chunked_lm_loss"]
-    assert default_passes() == ["swap_sdpa", "fuse_projections", "chunked_lm_loss"]
+    exact = ["swap_sdpa", "fuse_projections", "chunked_attention", "chunked_lm_loss"]
+    assert list(PASSES)[:4] == exact
+    assert default_passes() == exact
     assert "bf16_regions" in PASSES and "bf16_regions" not in default_passes()
 
 

@@ -1,0 +1,120 @@
+"""chunked_attention: attention that SDPA computes in its math form runs in groups of heads.
+
+Where no fused SDPA kernel applies — on CPU with dropout, the usual case — SDPA makes the
+whole (B, heads, T, S) weights, their dropout mask and, in the backward, their gradient. A
+recomputed attention then holds several (B, heads, T, S) values at once in the backward,
+which is most of a small model's lowest peak. Before::
+
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=0.1)   # (B, H, T, S) weights
+
+After::
+
+    y = torch.cat([F.scaled_dot_product_attention(q_g, k_g, v_g, attn_mask=m_g, dropout_p=0.1)
+                   for q_g, k_g, v_g, m_g in head groups], dim=-3)
+
+Each group is an attention of its own: the planner saves or recomputes it on its own, and the
+backward works one group at a time, so one group's weights are alive, not all of them.
+Groups are as few as make one group's weights no larger than q (at least ceil(S / head_dim)
+groups; a group holds whole key/value heads under GQA). Fires only where SDPA would run its
+math form (asked of torch for a small probe of the same dtype, heads, mask kind and dropout);
+the fused kernels keep no weights, and splitting their work would only slow them.
+
+Exact: each head's scores, mask, softmax and weighted sum are the same computation; with
+dropout each group draws its own mask (the same distribution, not the unsplit draw).
+Runs after swap_sdpa, whose SDPA calls it splits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fxmem.rules import Match, Refusal, Rule, RulePass
+
+__all__ = ["chunked_attention"]
+
+_SCALARS = ("mask", "p", "causal", "scale", "gqa")
+_MATH = 0  # torch._fused_sdp_choice: SDPBackend.MATH
+_PROBE_LEN = 8  # sequence length of the probe asked which kernel runs
+
+
+def pattern(q, k, v, mask, p, causal, scale, gqa):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+
+
+def replacement(q, k, v, mask, p, causal, scale, gqa, groups, mask_split):
+    def attend(q, k, v, mask, dim):
+        """SDPA over `groups[dim]` chunks of dimension `dim`, then the next dimension."""
+        if dim == len(groups):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa
+            )
+        n, axis = groups[dim], dim - 4
+        if n == 1:
+            return attend(q, k, v, mask, dim + 1)
+        qs, ks, vs = (torch.chunk(t, n, dim=axis) for t in (q, k, v))
+        ms = torch.chunk(mask, n, dim=axis) if mask_split[dim] else [mask] * n
+        return torch.cat([attend(qs[g], ks[g], vs[g], ms[g], dim + 1) for g in range(n)], dim=axis)
+
+    return attend(q, k, v, mask, 0)
+
+
+def _runs_math(q, k, v, mask, p, causal, scale, gqa) -> bool:
+    """Whether SDPA picks its math form for tensors like these (a small real probe: the
+    choice reads dtypes, head counts and sizes, the mask's kind and dropout, not T)."""
+
+    def probe(t, heads):
+        return torch.zeros(1, heads, _PROBE_LEN, t.shape[-1], dtype=t.dtype, requires_grad=t.requires_grad)
+
+    pq, pk, pv = probe(q, q.shape[-3]), probe(k, k.shape[-3]), probe(v, v.shape[-3])
+    pm = None
+    if mask is not None:
+        full = (1, q.shape[-3], _PROBE_LEN, _PROBE_LEN)[4 - mask.ndim :]
+        shape = [1 if s == 1 else n for s, n in zip(mask.shape, full, strict=True)]
+        pm = torch.zeros(shape, dtype=mask.dtype, requires_grad=mask.requires_grad)
+    choice = torch._fused_sdp_choice(pq, pk, pv, pm, p, causal, scale=scale, enable_gqa=gqa)
+    return int(choice) == _MATH
+
+
+def guard(m: Match) -> Refusal | None:
+    q, k, v = m.val("q"), m.val("k"), m.val("v")
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v)):
+        return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
+    if q.device.type != "cpu":
+        return Refusal(f"on {q.device.type} SDPA's fused kernels keep no (T, S) weights")
+    if not all(isinstance(n, int) for t in (q, k, v) for n in t.shape):
+        return Refusal("symbolic shapes: the groups need sizes")
+    mask = m.val("mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim > 4):
+        return Refusal("the mask is not a tensor of at most 4 dimensions")
+    scalars = {name: m.bindings[name] for name in ("p", "causal", "scale", "gqa")}
+    if not all(isinstance(x, (int, float, bool, type(None))) for x in scalars.values()):
+        return Refusal("dropout, causality, scale or GQA is not a constant")
+    if not _runs_math(q, k, v, mask, **scalars):
+        return Refusal("SDPA runs a fused kernel here: it keeps no (T, S) weights")
+    batch, heads, kv_heads, length, width = q.shape[0], q.shape[1], k.shape[1], k.shape[-2], q.shape[-1]
+    wanted = math.ceil(length / width)
+    if wanted < 2:
+        return Refusal(f"{length} keys of width {width}: the weights are no larger than q")
+    by_heads = _divisor_at_least(kv_heads, wanted)
+    by_batch = _divisor_at_least(batch, math.ceil(wanted / by_heads)) if k.shape[0] == batch else 1
+    if by_heads * by_batch < 2:
+        return Refusal("one head of one sequence: nothing to split")
+    m.bindings["groups"] = (by_batch, by_heads)
+    m.bindings["mask_split"] = tuple(
+        mask is not None and mask.ndim >= 4 - dim and mask.shape[dim - 4] == size > 1
+        for dim, size in enumerate((batch, heads))
+    )
+    return None
+
+
+def _divisor_at_least(n: int, wanted: int) -> int:
+    """The smallest divisor of n that is at least `wanted`, or n."""
+    return next((d for d in range(1, n + 1) if n % d == 0 and d >= wanted), n)
+
+
+chunked_attention = RulePass("chunked_attention", [Rule("sdpa", pattern, replacement, guard=guard, scalars=_SCALARS)])
