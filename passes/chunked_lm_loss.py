@@ -36,6 +36,11 @@ from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 __all__ = ["chunked_cross_entropy", "chunked_lm_loss"]
 
 _MIN_VOCAB_RATIO = 4
+# Chunks: as many as make one chunk's logits about the size of the head's input h, at most
+# _MAX_CHUNKS, and of at least hidden/2 rows: every chunk reads the (V, H) weight twice and
+# writes into its gradient once, so with fewer rows the weight's traffic outweighs the chunk's
+# own work (CPU, GPT of d192, V 8192, 1536 rows: 32 chunks of 48 rows 0.556 s a step, 16 of 96
+# rows 0.493 s, the same floor).
 _MAX_CHUNKS = 32
 _SCALARS = ("b", "rows", "vocab", "weight", "ignore_index", "reduction", "label_smoothing")
 
@@ -73,7 +78,7 @@ def guard(m: Match) -> Refusal | None:
     n = y.shape[0]
     if h.numel() != n * hidden:
         return Refusal("the head's input rows do not match the targets")
-    chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), n)
+    chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), math.ceil(2 * n / hidden), n)
     m.bindings["chunk_rows"] = math.ceil(n / chunks)
     m.bindings["return_logits"] = "linear" in m.escaped
     return None
