@@ -348,11 +348,16 @@ class JointGraph:
     def storage_maker(self) -> list[int]:
         """Per storage, the first node that holds it: the op that made it (its views and the
         parts of a split come later)."""
-        maker = [-1] * len(self.storage_bytes)
+        return [held[0] if held else -1 for held in self.storage_nodes]
+
+    @functools.cached_property
+    def storage_nodes(self) -> list[list[int]]:
+        """Per storage, the nodes that hold it (its maker, then its views), in graph order."""
+        nodes: list[list[int]] = [[] for _ in self.storage_bytes]
         for i, s in enumerate(self.storage):
-            if s >= 0 and maker[s] < 0:
-                maker[s] = i
-        return maker
+            if s >= 0:
+                nodes[s].append(i)
+        return nodes
 
     @functools.cached_property
     def early_gradients(self) -> frozenset[int]:

@@ -381,7 +381,7 @@ def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:
         su = jg.storage[u]
         return jg.users[u] if su == r or (su >= 0 and not cost[su] and jg.inlinable[u]) else []
 
-    readers = [u for j, s in enumerate(jg.storage) if s == r for u in jg.users[j]]
+    readers = [u for j in jg.storage_nodes[r] for u in jg.users[j]]
     return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in _reach(readers, onward))
 
 
