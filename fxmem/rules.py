@@ -75,7 +75,8 @@ class Match:
     bindings: dict[str, Any]
     nodes: list[fx.Node]  # covered target nodes, the output last
     optional_absent: set[str] = field(default_factory=set)
-    escaped: dict[str, fx.Node] = field(default_factory=dict)  # may_escape name -> target node used outside
+    # may_escape name -> the target nodes holding its value (it, or identities of it) used outside
+    escaped: dict[str, list[fx.Node]] = field(default_factory=dict)
 
     @property
     def output(self) -> fx.Node:
@@ -326,13 +327,17 @@ def match(rule: Rule, node: fx.Node) -> Match | Refusal | None:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     covered = sorted(m.covered, key=order.__getitem__)
     allowed = {m.matched[name]: name for name in rule.may_escape if name in m.matched}
-    escaped = {}
+    matched = set(m.matched.values())
+    escaped: dict[str, list[fx.Node]] = {}
     for leak in _escapes(covered, node):
-        if leak not in allowed:
+        source = leak
+        while source not in matched and source in m.covered and _is_identity(source):
+            source = source.args[0]  # an identity the match skipped carries its input's value
+        if source not in allowed:
             return Refusal(f"{leak.name} is also used outside the matched {rule.name}")
         if any(order[u] < order[node] for u in leak.users if u not in m.covered):
             return Refusal(f"{leak.name} is used outside the match before its end")
-        escaped[allowed[leak]] = leak
+        escaped.setdefault(allowed[source], []).append(leak)
     found = Match(bindings=m.bindings, nodes=covered, optional_absent=m.absent, escaped=escaped)
     if rule.guard is not None:
         verdict = rule.guard(found)
@@ -463,8 +468,8 @@ class RulePass:
         if rule.may_escape:
             new, *values = new  # (output, escaped values...)
             for name, value in zip(rule.may_escape, values, strict=False):
-                if name in found.escaped:
-                    found.escaped[name].replace_all_uses_with(value)
+                for leak in found.escaped.get(name, ()):
+                    leak.replace_all_uses_with(value)
         out.replace_all_uses_with(new)
         inputs = [b for b in found.bindings.values() if isinstance(b, fx.Node)]
         # The covered nodes are replaced, random ones included: a dropout the replacement draws

@@ -27,14 +27,17 @@ HIDDEN, VOCAB = 16, 128  # 8x: the pass fires (it needs 4x)
 
 
 class Head(nn.Module):
-    def __init__(self, vocab=VOCAB, bias=False, flatten="view", return_logits=False, **loss_kwargs):
+    def __init__(self, vocab=VOCAB, bias=False, flatten="view", return_logits=False, contiguous=False, **loss_kwargs):
         super().__init__()
         self.body = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, vocab, bias=bias)
         self.flatten, self.return_logits, self.loss_kwargs = flatten, return_logits, loss_kwargs
+        self.contiguous = contiguous
 
     def forward(self, x, y):
         logits = self.head(torch.tanh(self.body(x)))  # (B, T, V)
+        if self.contiguous:  # as OPT's head
+            logits = logits.contiguous()
         flat = getattr(logits, self.flatten)(-1, logits.size(-1))
         loss = F.cross_entropy(flat, y.view(-1), **self.loss_kwargs)
         return (loss, logits) if self.return_logits else loss
@@ -83,8 +86,9 @@ def _chunked_nodes(gm):
         ({"ignore_index": -1}, -1),  # nanoGPT's
         ({"reduction": "sum"}, -100),
         ({"reduction": "sum", "bias": True, "ignore_index": 7}, 7),
+        ({"contiguous": True}, -100),
     ],
-    ids=["plain", "bias", "reshape", "ignore-100", "ignore-1", "sum", "sum-bias-ignore7"],
+    ids=["plain", "bias", "reshape", "ignore-100", "ignore-1", "sum", "sum-bias-ignore7", "contiguous"],
 )
 def test_head_forms_chunked_and_exact(kwargs, ignore):
     torch.manual_seed(0)
@@ -99,9 +103,10 @@ def test_head_forms_chunked_and_exact(kwargs, ignore):
     assert fired == 1
 
 
-def test_logits_returned_are_eagers_and_carry_their_gradient():
+@pytest.mark.parametrize("contiguous", [False, True], ids=["linear", "contiguous"])
+def test_logits_returned_are_eagers_and_carry_their_gradient(contiguous):
     torch.manual_seed(0)
-    model = Head(return_logits=True)
+    model = Head(return_logits=True, contiguous=contiguous)
     x, y = _batch(ignore=-100)
     gm, fired = _assert_exact(model, x, y, loss=lambda out: out[0] + out[1].square().mean())
     assert fired == 1
@@ -200,6 +205,14 @@ def _hf(name):
             num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=None,
         )  # fmt: skip
         return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    if name == "opt":  # its logits are `lm_head(h).contiguous()`
+        # Without biases: a key bias's gradient is zero in exact arithmetic, rounding noise here.
+        cfg = transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+            enable_bias=False,
+        )  # fmt: skip
+        return transformers.OPTForCausalLM._from_config(cfg, attn_implementation="eager")
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
@@ -209,7 +222,7 @@ def _hf(name):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt"])
 def test_hf_causal_lm_loss_and_logits(name):
     model = _hf(name).train()
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
