@@ -15,6 +15,7 @@ from fxmem.passes.bf16_regions import bf16_regions
 from fxmem.passes.chunked_attention import chunked_attention
 from fxmem.passes.chunked_lm_loss import chunked_lm_loss
 from fxmem.passes.fuse_projections import fuse_projections
+from fxmem.passes.index_as_slice import index_as_slice
 from fxmem.passes.swap_sdpa import swap_sdpa
 
 __all__ = ["PASSES", "default_passes", "run_passes"]
@@ -23,6 +24,8 @@ PassFn = Callable[[fx.GraphModule, Sequence[Any]], tuple[fx.GraphModule, int]]
 
 # name -> (pass function, exact?). Exact passes run by default; the others only when named.
 PASSES: dict[str, tuple[PassFn, bool]] = {
+    # First: turns gathered copies into views, so the passes after it read plain slices.
+    "index_as_slice": (index_as_slice, True),
     # First: reads attention as written, before projections are fused or regions cast.
     "swap_sdpa": (swap_sdpa, True),
     # After swap_sdpa, which reads q/k/v as separate values; before casts of whole regions.
