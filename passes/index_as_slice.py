@@ -22,6 +22,7 @@ is returned (the caller would get a view of the source where it had a fresh tens
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -31,10 +32,9 @@ import torch.fx as fx
 
 from fxmem.rules import Refusal, example_value, propagate_meta
 
-__all__ = ["index_as_slice", "refusals"]
+__all__ = ["as_slice", "index_as_slice"]
 
-# Why the last run refused each candidate: (node name, reason).
-refusals: list[tuple[str, str]] = []
+log = logging.getLogger(__name__)
 
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
@@ -98,42 +98,41 @@ def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None
     return tuple(entries), ""
 
 
-def _refusal(node: fx.Node, written: set[int], returned: set[int]) -> tuple[tuple[Any, ...] | None, Refusal | None]:
+def as_slice(node: fx.Node) -> tuple[Any, ...] | Refusal:
+    """The slice index that `node` (a getitem with a list index) can read as, or why not."""
     source = node.args[0]
     val = example_value(source)
     if not isinstance(val, torch.Tensor) or not isinstance(example_value(node), torch.Tensor):
-        return None, Refusal("not a tensor")
+        return Refusal("not a tensor")
     index, why = _slice_for(node.args[1], val.shape)
     if index is None:
-        return None, Refusal(why)
+        return Refusal(why)
+    graph = node.graph
+    written = {_storage(t) for n in graph.nodes if (t := _written(n)) is not None}
     if {_storage(source), _storage(node)} & written:
-        return None, Refusal("the source or the indexed value is written in place")
-    if _storage(node) in returned:
-        return None, Refusal("the indexed value is returned")
-    return index, None
+        return Refusal("the source or the indexed value is written in place")
+    output = next(iter(graph.find_nodes(op="output")))
+    if _storage(node) in {_storage(n) for n in output.all_input_nodes}:
+        return Refusal("the indexed value is returned")
+    return index
 
 
 def index_as_slice(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
     """Rewrite every constant consecutive list index of the graph as a slice."""
-    refusals.clear()
-    graph = gm.graph
-    written = {_storage(t) for n in graph.nodes if (t := _written(n)) is not None} - {None}
-    output = next(iter(graph.find_nodes(op="output")))
-    returned = {_storage(n) for n in output.all_input_nodes} - {None}
     fired = 0
-    for node in list(graph.nodes):
+    for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
             continue
         if not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], (tuple, list)):
             continue
-        index, refused = _refusal(node, written, returned)
-        if refused is not None:
-            refusals.append((node.name, refused.reason))
+        index = as_slice(node)
+        if isinstance(index, Refusal):
+            log.debug("index_as_slice refused at %s: %s", node.name, index.reason)
             continue
         node.args = (node.args[0], index)
         propagate_meta(node)
         fired += 1
     if fired:
-        graph.lint()
+        gm.graph.lint()
         gm.recompile()
     return gm, fired
