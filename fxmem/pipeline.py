@@ -14,7 +14,6 @@ import torch.fx as fx
 from fxmem.passes.bf16_regions import bf16_regions
 from fxmem.passes.chunked_attention import chunked_attention
 from fxmem.passes.chunked_lm_loss import chunked_lm_loss
-from fxmem.passes.chunked_mlp import chunked_mlp
 from fxmem.passes.fuse_projections import fuse_projections
 from fxmem.passes.index_as_slice import index_as_slice
 from fxmem.passes.swap_sdpa import swap_sdpa
@@ -29,9 +28,6 @@ PASSES: dict[str, tuple[PassFn, bool]] = {
     "index_as_slice": (index_as_slice, True),
     # First: reads attention as written, before projections are fused or regions cast.
     "swap_sdpa": (swap_sdpa, True),
-    # Before fuse_projections: reads a gated MLP's gate and up projections as written (each
-    # chunk's pair is fused after it).
-    "chunked_mlp": (chunked_mlp, True),
     # After swap_sdpa, which reads q/k/v as separate values; before casts of whole regions.
     "fuse_projections": (fuse_projections, True),
     # After swap_sdpa, whose SDPA calls it splits into groups of heads where SDPA runs its math form.

@@ -161,14 +161,12 @@ _FUNCTION_SIGNATURES = {  # for builtins without a Python signature
     "transpose": ("input", "dim0", "dim1"),
     "masked_fill": ("input", "mask", "value"),
     "linear": ("input", "weight", "bias"),
-    "gelu": ("input", "approximate"),
     "scaled_dot_product_attention": (
         "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
     ),
 }  # fmt: skip
 _DEFAULTS = {
     "linear": {"bias": None},
-    "gelu": {"approximate": "none"},
     "softmax": {"dtype": None},
     "scaled_dot_product_attention": {
         "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False

@@ -30,16 +30,6 @@ def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[fx.Graph
     return graphs[0]
 
 
-def apply_pass(pass_fn: Any, fn: Callable[..., Any], *args: Any) -> tuple[fx.GraphModule, list[Any], int]:
-    """Dynamo's graph of `fn(*args)` after one rule pass (its refusals cleared first): the
-    graph, its example inputs and how many times the pass fired."""
-    gm, ex = capture(fn, *args)
-    pass_fn.refusals.clear()
-    gm, fired = pass_fn(gm, ex)
-    gm.graph.lint()
-    return gm, ex, fired
-
-
 def compile_with_pass(pass_fn: Callable, fn: Callable[..., Any]) -> tuple[Callable[..., Any], list]:
     """`fn` compiled (one graph) with `pass_fn` run on Dynamo's graph and nothing else; returns
     the compiled function (it returns what `fn` returns: a ModelOutput stays one) and a list

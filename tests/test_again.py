@@ -13,15 +13,11 @@ import fxmem
 from fxmem import partition
 from fxmem.again import COPY_OF
 from fxmem.graph import BWD
-from fxmem.pipeline import default_passes
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 # Three blocks at T=256: residuals large enough beside the attention's working set that
-# rebuilding every other one from the one before lowers the floor. The MLPs run whole: by
-# chunks of rows (chunked_mlp) one block's backward needs so little that this model's floor
-# is set elsewhere, and computing twice has nothing to lower.
+# rebuilding every other one from the one before lowers the floor.
 DEEP_GPT = GPTConfig(vocab_size=2048, block_size=256, n_layer=3, n_head=2, n_embd=64)
-DEEP_PASSES = [name for name in default_passes() if name != "chunked_mlp"]
 
 
 def _capture(monkeypatch):
@@ -45,7 +41,7 @@ def _floor(model, batch) -> tuple[int, fxmem.Plan]:
     """The floor and its plan. The error itself is dropped: its traceback holds the planning
     frames' tensors, which would count as live at the next planning."""
     try:
-        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=DEEP_PASSES)
+        fxmem.optimize(model, 1e-6, example_inputs=batch)
     except fxmem.BudgetError as err:
         found = err.floor_bytes, err.plan
     else:
@@ -96,7 +92,7 @@ def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch):
     assert floor < once
     assert plan.second_recomputation["dropped"] and not once_plan.second_recomputation
 
-    m = fxmem.optimize(model, floor / 2**30, example_inputs=batch, passes=DEEP_PASSES)
+    m = fxmem.optimize(model, floor / 2**30, example_inputs=batch)
     step(m, *batch)
     assert max_rel_err(grads_of(model), ref) < 1e-4
     zero_grads(model)
@@ -110,7 +106,7 @@ def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch):
 
     # A budget that recomputing once fits does not run anything a second time.
     zero_grads(model)
-    loose = fxmem.optimize(model, once * 1.05 / 2**30, example_inputs=batch, passes=DEEP_PASSES)
+    loose = fxmem.optimize(model, once * 1.05 / 2**30, example_inputs=batch)
     step(loose, *batch)
     assert loose.plan.second_recomputation == {}
 
@@ -119,14 +115,14 @@ def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch):
 def test_a_saved_plan_with_a_second_recomputation_is_applied(tmp_path):
     model, batch = _deep_gpt()
     budget_gb = _floor(model, batch)[0] / 2**30
-    m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=DEEP_PASSES)
+    m = fxmem.optimize(model, budget_gb, example_inputs=batch)
     step(m, *batch)
     grads = grads_of(model)
     m.plan.save(tmp_path, files=False)
     torch._dynamo.reset()
     zero_grads(model)
     # (more budget: the gradients kept to compare with are live tensors now)
-    reused = fxmem.optimize(model, 1.5 * budget_gb, example_inputs=batch, plan=tmp_path, passes=DEEP_PASSES)
+    reused = fxmem.optimize(model, 1.5 * budget_gb, example_inputs=batch, plan=tmp_path)
     step(reused, *batch)
     assert reused.plan.second_recomputation == m.plan.second_recomputation
     assert reused.plan.saved_nodes == m.plan.saved_nodes
@@ -144,16 +140,13 @@ def test_a_bias_gradient_is_summed_before_the_matmuls_that_read_its_input(monkey
     jg, choice = seen[-1]
     pos = {i: t for t, i in enumerate(choice.timeline.order)}
     sums = [i for i in jg.early_gradients if jg.storage[i] >= 0 and "sum" in str(jg.nodes[i].target)]
-    checked = 0
+    assert sums
     for i in sums:
         views, (grad,) = jg._views_read(i)
         matmuls = [u for u in jg.users[grad] if not jg.fusible[u]]
         matmuls += [u for v in jg.users[grad] if jg.storage[v] == jg.storage[grad] for u in jg.users[v]]
         matmuls = [u for u in matmuls if not jg.fusible[u]]
-        if matmuls:  # a Linear's bias (a LayerNorm's gradient is read by no matmul)
-            checked += 1
-            assert all(pos[i] < pos[u] for u in matmuls), jg.nodes[i].name
-    assert checked >= 4 * 2, checked  # each of the 4 blocks' attention output and MLP output biases
+        assert matmuls and all(pos[i] < pos[u] for u in matmuls), jg.nodes[i].name
 
 
 def test_a_graph_with_a_higher_order_op_is_planned():

@@ -30,7 +30,6 @@ def test_budget_held_with_all_passes_small_gpt(fraction):
     assert plan.rewrites == {
         "index_as_slice": 0,
         "swap_sdpa": 4,
-        "chunked_mlp": 4,
         "fuse_projections": 0,
         "chunked_attention": 0,
         "chunked_lm_loss": 1,
