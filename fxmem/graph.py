@@ -380,6 +380,23 @@ class JointGraph:
                 out.update((o, i, *after, *before))
         return frozenset(out)
 
+    @functools.cached_property
+    def shrinking(self) -> frozenset[int]:
+        """Forward nodes that make less than the largest forward value they read (views,
+        reductions): recomputed, they may join the backward as soon as their inputs are back
+        (see `simulate.backward_order`); larger ones wait until a reader asks for them."""
+        out = set()
+        for u in range(self.first_bwd):
+            if self.kind[u] != FWD:
+                continue
+            made_by = self.users[u] if self.storage[u] < 0 else [u]  # a multi-output op: its parts
+            own = {self.storage[j] for j in made_by if self.storage[j] >= 0}
+            read = {self.storage[j] for j in self.inputs[u] if self.kind[j] == FWD and self.storage[j] >= 0}
+            made = sum(self.storage_bytes[s] for s in own - read)
+            if made < max((self.storage_bytes[s] for s in read), default=0):
+                out.add(u)
+        return frozenset(out)
+
     def _views_read(self, i: int) -> tuple[list[int], list[int]]:
         """The views node `i` reads through (a bias gradient sums a reshaped gradient), and
         what they are views of."""

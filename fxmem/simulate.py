@@ -90,7 +90,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
             return not done[u]  # an early gradient, or an output of an op just run
         if not (u < jg.first_bwd and needed[u] and not done[u] and not jg.banned[u]):
             return False
-        return jg.kind[u] == BWD or (jg.kind[u] == FWD and _shrinks(jg, u))
+        return jg.kind[u] == BWD or u in jg.shrinking
 
     def bring(root: int) -> None:
         """Run `root` and whatever it needs that is not there, in graph order.
@@ -101,8 +101,8 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         first asks for them: a loop run in the backward (the chunked loss's chunks) then frees
         each chunk's values before the next starts. So do gradients that sum a larger value (a
         bias's), which then need not hold it. A recomputed value as large as what it reads
-        waits until asked for: the chunks of an MLP run by rows are recomputed one at a time,
-        each beside its own gradient, not all at once.
+        waits until asked for: groups of attention heads, or chunks of an MLP's rows, are
+        recomputed one at a time, each beside its own gradient, not all at once.
         """
         if done[root]:
             return
@@ -131,14 +131,6 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     for i in jg.bwd_outputs:
         bring(i)
     return order, recomputed
-
-
-def _shrinks(jg: JointGraph, u: int) -> bool:
-    """Whether `u` makes less than the largest forward value it reads (a view, a reduction)."""
-    own = {jg.storage[j] for j in (jg.users[u] if jg.storage[u] < 0 else [u]) if jg.storage[j] >= 0}
-    read = {jg.storage[j] for j in jg.inputs[u] if jg.kind[j] == FWD and jg.storage[j] >= 0}
-    made = sum(jg.storage_bytes[s] for s in own - read)
-    return made < max((jg.storage_bytes[s] for s in read), default=0)
 
 
 def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:

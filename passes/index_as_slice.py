@@ -98,8 +98,18 @@ def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None
     return tuple(entries), ""
 
 
-def as_slice(node: fx.Node) -> tuple[Any, ...] | Refusal:
-    """The slice index that `node` (a getitem with a list index) can read as, or why not."""
+def _written_and_returned(graph: fx.Graph) -> tuple[set[int | None], set[int | None]]:
+    """The storages the graph writes in place, and those it returns."""
+    written = {_storage(t) for n in graph.nodes if (t := _written(n)) is not None}
+    output = next(iter(graph.find_nodes(op="output")))
+    return written, {_storage(n) for n in output.all_input_nodes}
+
+
+def as_slice(
+    node: fx.Node, written_and_returned: tuple[set[int | None], set[int | None]] | None = None
+) -> tuple[Any, ...] | Refusal:
+    """The slice index that `node` (a getitem with a list index) can read as, or why not.
+    `written_and_returned`: its graph's, from `_written_and_returned` (found when not given)."""
     source = node.args[0]
     val = example_value(source)
     if not isinstance(val, torch.Tensor) or not isinstance(example_value(node), torch.Tensor):
@@ -107,12 +117,10 @@ def as_slice(node: fx.Node) -> tuple[Any, ...] | Refusal:
     index, why = _slice_for(node.args[1], val.shape)
     if index is None:
         return Refusal(why)
-    graph = node.graph
-    written = {_storage(t) for n in graph.nodes if (t := _written(n)) is not None}
+    written, returned = written_and_returned or _written_and_returned(node.graph)
     if {_storage(source), _storage(node)} & written:
         return Refusal("the source or the indexed value is written in place")
-    output = next(iter(graph.find_nodes(op="output")))
-    if _storage(node) in {_storage(n) for n in output.all_input_nodes}:
+    if _storage(node) in returned:
         return Refusal("the indexed value is returned")
     return index
 
@@ -120,12 +128,14 @@ def as_slice(node: fx.Node) -> tuple[Any, ...] | Refusal:
 def index_as_slice(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
     """Rewrite every constant consecutive list index of the graph as a slice."""
     fired = 0
+    # once: a rewrite turns only its own node into a view, and no written or returned one is rewritten
+    written_and_returned = _written_and_returned(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
             continue
         if not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], (tuple, list)):
             continue
-        index = as_slice(node)
+        index = as_slice(node, written_and_returned)
         if isinstance(index, Refusal):
             log.debug("index_as_slice refused at %s: %s", node.name, index.reason)
             continue
