@@ -235,16 +235,20 @@ def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _breakdown(req: PlanRequest, jg: JointGraph, choice: Choice) -> dict[str, int]:
-    tl = simulate(jg, choice.saved, snapshot_at=choice.timeline.peak_pos)
+def _breakdown(req: PlanRequest, jg: JointGraph, trajectory: Trajectory, choice: Choice) -> dict[str, int]:
+    """Bytes per category at the predicted peak; they sum to the plan's prediction."""
     grads = {jg.storage[i] for i in jg.bwd_outputs}
-    recomputed = {jg.storage[i] for i in tl.recomputed}
     out = dict(req.static_bytes)
     if req.optimizer_bytes:
         out["optimizer"] = req.optimizer_bytes
+    if trajectory.floor_bytes > choice.timeline.peak_bytes:  # the peak is the optimizer step
+        out["gradients"] = trajectory.floor_bytes - req.optimizer_step_bytes
+        out["optimizer step temporaries"] = req.optimizer_step_bytes
+        return out
+    tl = simulate(jg, choice.saved, snapshot_at=choice.timeline.peak_pos)
+    recomputed = {jg.storage[i] for i in tl.recomputed}
     cats = {"saved activations": 0, "recomputed": 0, "gradients": 0, "temporaries": 0}
-    for s in tl.alive_at_snapshot:
-        nbytes = jg.storage_bytes[s]
+    for s, nbytes in tl.alive_at_snapshot.items():
         if s in tl.saved_interval:
             cats["saved activations"] += nbytes
         elif s in grads:
@@ -253,6 +257,8 @@ def _breakdown(req: PlanRequest, jg: JointGraph, choice: Choice) -> dict[str, in
             cats["recomputed"] += nbytes
         else:
             cats["temporaries"] += nbytes
+    # what the op at the peak allocates inside itself (a library call's workspace)
+    cats["temporaries"] += tl.curve[tl.peak_pos] - sum(tl.alive_at_snapshot.values())
     out.update(cats)
     return out
 
@@ -307,7 +313,7 @@ def _make_plan(
         predicted_peak_bytes=reserved + trajectory.peak(choice),
         floor_bytes=floor_bytes,
         unconstrained_peak_bytes=reserved + trajectory.peak(trajectory.unconstrained),
-        breakdown=_breakdown(req, jg, choice),
+        breakdown=_breakdown(req, jg, trajectory, choice),
         decisions=decisions,
         rewrites=dict(req.rewrites),
         saved_bytes=sum(jg.storage_bytes[s] for s in tl.saved_interval),

@@ -52,7 +52,7 @@ class Timeline:
     recompute_s: float
     saved_interval: dict[int, tuple[int, int]]  # saved storage -> (alloc step, free step)
     kinds: list[str]  # per step: "fwd", "bwd" or "recompute"
-    alive_at_snapshot: frozenset[int] = frozenset()
+    alive_at_snapshot: dict[int, int] = field(default_factory=dict)  # storage -> bytes charged
     # recomputed storage that costs bytes -> (alloc step, free step) in the backward
     recomputed_interval: dict[int, tuple[int, int]] = field(default_factory=dict)
     # With `record_events`: (step, storage, +bytes) when a storage is charged, (step, storage,
@@ -134,7 +134,8 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
 
 
 def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:
-    """Run the step on paper; `snapshot_at` records the storages alive at that step."""
+    """Run the step on paper; `snapshot_at` records the storages alive at that step, with the
+    bytes each is charged (nothing for a value a fusing compiler never writes out)."""
     events: list[tuple[int, int, int]] | None = [] if record_events else None
     fwd_order = [i for i, k in enumerate(jg.kind) if k == FWD]
     bwd_order, recomputed = backward_order(jg, saved)
@@ -216,7 +217,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
 
     alive: set[int] = set()
     charged: dict[int, int] = {}
-    snapshot: frozenset[int] = frozenset()
+    snapshot: dict[int, int] = {}
     alloc_at: dict[int, int] = {}
     made_by: dict[int, int] = {}  # storage -> the node that allocated it
     cur = peak = peak_pos = 0
@@ -259,7 +260,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             events.append((t, -2 - i, -extra))
         curve.append(cur + extra)
         if t == snapshot_at:
-            snapshot = frozenset(alive)
+            snapshot = {s: charged[s] for s in alive}
         if cur + extra > peak:
             peak, peak_pos = cur + extra, t
         for s in frees.get(t, ()):
