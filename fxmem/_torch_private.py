@@ -19,6 +19,7 @@ from torch._functorch.partitioners import (
 )
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 __all__ = [
     "FakeTensor",
@@ -26,6 +27,7 @@ __all__ = [
     "boxed_graph_function",
     "extract_fwd_bwd",
     "fake_rerun",
+    "foreach_default_devices",
     "is_aten_op",
     "inductor_compile",
     "is_module_buffer",
@@ -48,6 +50,11 @@ def is_real_tensor(t: torch.Tensor) -> bool:
     """A tensor with data behind it (not a fake or functional wrapper, not on the meta device)."""
     plain = type(t) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer) and not isinstance(t, FakeTensor)
     return plain and t.device.type != "meta"
+
+
+def foreach_default_devices() -> list[str]:
+    """Device types whose parameters torch.optim updates with its multi-tensor kernels by default."""
+    return _get_foreach_kernels_supported_devices()
 
 
 def is_module_buffer(placeholder: torch.fx.Node) -> bool:

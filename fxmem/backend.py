@@ -24,6 +24,7 @@ from fxmem import _torch_private as tp
 from fxmem.constants import checked
 from fxmem.errors import check_budget_gb
 from fxmem.measure import live_tensor_bytes
+from fxmem.optimizer import optimizer_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.pipeline import default_passes, run_passes
 from fxmem.plan import Plan
@@ -197,26 +198,6 @@ def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[s
     return out
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
-    """(state bytes not yet allocated, temporaries of one step) for `optimizer`."""
-    if optimizer is None:
-        return 0, 0
-    name = type(optimizer).__name__
-    per_param = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1}
-    slots = per_param.get(name, 0)
-    if name == "SGD":
-        slots = 1 if any(g.get("momentum", 0) for g in optimizer.param_groups) else 0
-    missing = biggest_group = 0
-    for group in optimizer.param_groups:
-        group_bytes = sum(p.numel() * p.element_size() for p in group["params"])
-        biggest_group = max(biggest_group, group_bytes)
-        for p in group["params"]:
-            if not optimizer.state.get(p):
-                missing += slots * p.numel() * p.element_size()
-    # foreach implementations make one or two full-size temporaries of a parameter group.
-    return missing, (2 if slots >= 2 else slots) * biggest_group
-
-
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
     """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin, dump
     (a folder to save every plan into; default $FXMEM_DUMP), plan (a saved plan.json to apply)."""
@@ -226,7 +207,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
     gm, fired = run_passes(gm, example_inputs, opts.pass_names())
-    state_bytes, step_bytes = optimizer_state_bytes(opts.optimizer)
+    state_bytes, step_bytes = optimizer_bytes(opts.optimizer)
 
     def on_plan(plan: Plan) -> None:
         ledger.saved_by_region[region] = plan.saved_bytes

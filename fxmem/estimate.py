@@ -24,7 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxmem import _torch_private as tp
-from fxmem.backend import _EAGER_DECOMPOSITIONS, optimizer_state_bytes
+from fxmem.backend import _EAGER_DECOMPOSITIONS
+from fxmem.optimizer import optimizer_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.pipeline import run_passes
 from fxmem.plan import Plan, format_bytes
@@ -122,7 +123,7 @@ def _optimizer_bytes(model: nn.Module, name: str) -> tuple[int, int]:
     opt_cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     kwargs = {"momentum": 0.9} if name == "sgd-momentum" else {}
     opt = opt_cls.get(name, torch.optim.SGD)(params, lr=1e-3, **kwargs)
-    return optimizer_state_bytes(opt)
+    return optimizer_bytes(opt, device_type="cuda")  # torch's implementation there: foreach
 
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -165,7 +166,8 @@ def estimate(
     `factory` returns `(model, example_inputs)`; it runs under `torch.device("meta")`, so
     modules and tensors it creates have sizes but no memory. It must not move them to another
     device. `compiler` picks the memory model: "inductor" (fused elementwise ops never write
-    their intermediates) or "eager".
+    their intermediates) or "eager". The optimizer step is counted as torch runs it on CUDA
+    (its multi-tensor implementation).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")

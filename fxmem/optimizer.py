@@ -1,0 +1,107 @@
+"""What a torch optimizer adds to a training step's memory: its state, and the temporaries of
+one `step()`.
+
+The temporaries depend on which implementation torch runs, as torch picks it: `fused=True`
+updates in one kernel per tensor and makes none; the single-tensor loop (torch's default on
+CPU) makes a few tensors the size of the parameter it is updating; the multi-tensor
+("foreach") path (torch's default on CUDA) makes them for a whole group of parameters at once.
+The counts below follow torch's Adam, AdamW and SGD; other optimizers are charged as much as
+the largest of those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fxmem import _torch_private as tp
+
+__all__ = ["optimizer_bytes", "step_implementation"]
+
+# state tensors per parameter (the first step allocates them)
+_STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1}
+_ADAM = ("Adam", "AdamW")
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | None = None) -> tuple[int, int]:
+    """(state bytes not yet allocated, temporaries of one step) for `optimizer`.
+
+    `device_type` is the device the step runs on when the parameters do not say (meta
+    tensors): it decides the implementation torch defaults to.
+    """
+    if optimizer is None:
+        return 0, 0
+    name = type(optimizer).__name__
+    missing = step = 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        slots = _STATE_SLOTS.get(name, 0)
+        if name == "SGD":
+            slots = 1 if group.get("momentum", 0) else 0
+        elif name in _ADAM and group.get("amsgrad"):
+            slots = 3  # and the running maximum of the second moment
+        missing += sum(slots * _nbytes(p) for p in params if not optimizer.state.get(p))
+        if params:
+            step = max(step, _group_step_bytes(name, group, params, device_type))
+    return missing, step
+
+
+def step_implementation(group: dict, params: Sequence[torch.Tensor], device_type: str | None = None) -> str:
+    """ "fused", "foreach" or "single": the implementation torch runs for this parameter group
+    (torch.optim's defaulting: foreach where every parameter is on a device with foreach
+    kernels, unless the group says otherwise)."""
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:
+        if group.get("differentiable"):
+            return "single"
+        devices = {device_type or p.device.type for p in params}
+        foreach = devices <= set(tp.foreach_default_devices())
+    return "foreach" if foreach else "single"
+
+
+def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device_type: str | None) -> int:
+    impl = step_implementation(group, params, device_type)
+    if impl == "fused":
+        return 0
+    sizes = [_nbytes(p) for p in params]
+    copies_grad = bool(group.get("maximize")) or (
+        bool(group.get("weight_decay")) and not (name == "AdamW" or group.get("decoupled_weight_decay"))
+    )
+    if impl == "foreach":
+        # per (device, dtype) group, all at once; a copy of the gradients is dropped before
+        # Adam's square root of the second moment is made
+        widest = max(_by_device_and_dtype(params).values())
+        if name in _ADAM:
+            return widest
+        if name == "SGD":  # Nesterov momentum is added to the gradients in place
+            return widest if copies_grad else 0
+        return 2 * widest
+    if name in _ADAM:
+        # `denom = (exp_avg_sq.sqrt() / c).add_(eps)`: the square root and the quotient at
+        # once, while the previous parameter's denom is still bound; beside a copy of the
+        # gradient when weight decay is added to it or it is negated
+        held = 1 if copies_grad else 0
+        return max((2 + held) * s + (sizes[k - 1] if k else 0) for k, s in enumerate(sizes))
+    if name == "SGD":
+        # each of weight decay, Nesterov momentum and maximize makes a new gradient, a second
+        # while the first is alive; the negated one is made while the previous parameter's
+        # gradient is still bound
+        copies = min(bool(group.get("weight_decay")) + bool(group.get("nesterov")) + bool(group.get("maximize")), 2)
+        previous = bool(group.get("maximize"))
+        return max(copies * s + (sizes[k - 1] if k and previous else 0) for k, s in enumerate(sizes))
+    return 3 * max(sizes)
+
+
+def _by_device_and_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], int]:
+    out: dict[tuple[torch.device, torch.dtype], int] = {}
+    for p in params:
+        key = (p.device, p.dtype)
+        out[key] = out.get(key, 0) + _nbytes(p)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
