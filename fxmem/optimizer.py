@@ -27,8 +27,9 @@ _ADAM = ("Adam", "AdamW")
 def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | None = None) -> tuple[int, int]:
     """(state bytes not yet allocated, temporaries of one step) for `optimizer`.
 
-    `device_type` is the device the step runs on when the parameters do not say (meta
-    tensors): it decides the implementation torch defaults to.
+    `device_type`, when given, is the device the step will run on, in place of the
+    parameters' own (meta tensors, for an estimate): it decides which implementation torch
+    defaults to.
     """
     if optimizer is None:
         return 0, 0
@@ -48,7 +49,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | 
 
 
 def step_implementation(group: dict, params: Sequence[torch.Tensor], device_type: str | None = None) -> str:
-    """ "fused", "foreach" or "single": the implementation torch runs for this parameter group
+    """The implementation torch runs for this parameter group: "fused", "foreach" or "single"
     (torch.optim's defaulting: foreach where every parameter is on a device with foreach
     kernels, unless the group says otherwise)."""
     if group.get("fused"):
