@@ -483,9 +483,9 @@ def test_inductor_floor_holds_the_budget(make):
 def test_recomputed_chunks_wait_until_the_backward_asks_for_them():
     """Attention with dropout split into groups of heads (chunked_attention), recomputed: each
     group's weights are made when its gradient is formed, not every group's once the
-    attention's inputs are back (inductor). The floor with the groups is 0.43x the floor
-    without them here; made all at once, 0.48x."""
-    cfg = GPTConfig(vocab_size=2048, block_size=256, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+    attention's inputs are back (inductor). The floor with the groups is 0.62x the floor
+    without them here; made all at once, 0.70x."""
+    cfg = GPTConfig(vocab_size=2048, block_size=256, n_layer=2, n_head=4, n_embd=128, dropout=0.1)
     floors = {}
     for name, passes in (("whole", [p for p in default_passes() if p != "chunked_attention"]), ("groups", None)):
         torch._dynamo.reset()
@@ -493,7 +493,7 @@ def test_recomputed_chunks_wait_until_the_backward_asks_for_them():
         with pytest.raises(fxmem.BudgetError) as e:
             fxmem.optimize(GPT(cfg), 1e-6, example_inputs=gpt_batch(cfg, 4, 256), passes=passes)
         floors[name] = e.value.floor_bytes
-    assert floors["groups"] < 0.45 * floors["whole"], floors
+    assert floors["groups"] < 0.66 * floors["whole"], floors
 
 
 def test_inductor_does_not_fuse_unrelated_kernels_across_a_library_call(monkeypatch):
