@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ from fxmem.testing import GPT, GPTConfig, gpt_batch
 # Small enough for a 2-core CPU, with attention activations large enough that remat matters.
 SMALL_GPT = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)
 GPT_BATCH = (4, 256)
+
+# Under pytest-xdist the workers share the cores: each takes its share of torch's threads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 @pytest.fixture(autouse=True)
