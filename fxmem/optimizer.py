@@ -33,9 +33,11 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | 
     """
     if optimizer is None:
         return 0, 0
-    name = type(optimizer).__name__
+    name = _known_class(optimizer)
     missing = step = 0
     for group in optimizer.param_groups:
+        # torch decides on the parameters that have gradients; before the backward, those
+        # that will
         params = [p for p in group["params"] if p.requires_grad]
         slots = _STATE_SLOTS.get(name, 0)
         if name == "SGD":
@@ -48,23 +50,32 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | 
     return missing, step
 
 
-def step_implementation(group: dict, params: Sequence[torch.Tensor], device_type: str | None = None) -> str:
-    """The implementation torch runs for this parameter group: "fused", "foreach" or "single"
-    (torch.optim's defaulting: foreach where every parameter is on a device with foreach
-    kernels, unless the group says otherwise)."""
+def step_implementation(
+    group: dict, params: Sequence[torch.Tensor], device_type: str | None = None, name: str = ""
+) -> str:
+    """The implementation torch runs for this parameter group: "fused", "foreach" or "single".
+
+    As torch.optim decides it: only when neither `fused` nor `foreach` is given does it pick,
+    foreach where every parameter is a plain tensor on a device with foreach kernels (for
+    Adam, not when `differentiable`, nor with a tensor `lr` unless `capturable`). `name` is
+    the optimizer's class.
+    """
     if group.get("fused"):
         return "fused"
     foreach = group.get("foreach")
-    if foreach is None:
-        if group.get("differentiable"):
-            return "single"
+    if foreach is None and group.get("fused") is None:
+        plain = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
         devices = {device_type or p.device.type for p in params}
-        foreach = devices <= set(tp.foreach_default_devices())
+        foreach = devices <= set(tp.foreach_default_devices()) and all(type(p) in plain for p in params)
+        if name != "SGD" and (
+            group.get("differentiable") or (isinstance(group.get("lr"), torch.Tensor) and not group.get("capturable"))
+        ):
+            foreach = False
     return "foreach" if foreach else "single"
 
 
 def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device_type: str | None) -> int:
-    impl = step_implementation(group, params, device_type)
+    impl = step_implementation(group, params, device_type, name)
     if impl == "fused":
         return 0
     sizes = [_nbytes(p) for p in params]
@@ -73,10 +84,14 @@ def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device
     )
     if impl == "foreach":
         # per (device, dtype) group, all at once; a copy of the gradients is dropped before
-        # Adam's square root of the second moment is made
-        widest = max(_by_device_and_dtype(params).values())
+        # Adam's square root of the second moment is made, but that square root is still bound
+        # while the next (device, dtype) group's is made; with tensor betas the scaled
+        # gradients are made beside the copy
+        widths = sorted(_by_device_and_dtype(params).values(), reverse=True)
+        widest = widths[0]
         if name in _ADAM:
-            return widest
+            tensor_betas = any(isinstance(b, torch.Tensor) for b in group.get("betas", ()))
+            return widest + (widths[1] if len(widths) > 1 else 0) + (widest if tensor_betas and copies_grad else 0)
         if name == "SGD":  # Nesterov momentum is added to the gradients in place
             return widest if copies_grad else 0
         return 2 * widest
@@ -94,6 +109,14 @@ def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device
         previous = bool(group.get("maximize"))
         return max(copies * s + (sizes[k - 1] if k and previous else 0) for k, s in enumerate(sizes))
     return 3 * max(sizes)
+
+
+def _known_class(optimizer: torch.optim.Optimizer) -> str:
+    """The name of the torch optimizer `optimizer` is (a subclass of one counts as it)."""
+    for cls in type(optimizer).__mro__:
+        if cls.__module__.startswith("torch.optim") and (cls.__name__ in _STATE_SLOTS or cls.__name__ == "SGD"):
+            return cls.__name__
+    return type(optimizer).__name__
 
 
 def _by_device_and_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], int]:

@@ -75,11 +75,36 @@ def test_other_optimizers_never_under_predicted(cls, impl):
 
 def test_implementation_follows_torch_defaults():
     params = _params()
-    assert step_implementation({"foreach": None}, params) == "single"  # CPU tensors
-    assert step_implementation({"foreach": None}, params, device_type="cuda") == "foreach"
-    assert step_implementation({"foreach": None, "differentiable": True}, params, device_type="cuda") == "single"
+    default = {"foreach": None, "fused": None}
+    assert step_implementation(default, params) == "single"  # CPU tensors
+    assert step_implementation(default, params, device_type="cuda") == "foreach"
+    assert step_implementation({**default, "differentiable": True}, params, "cuda", "Adam") == "single"
+    assert step_implementation({**default, "differentiable": True}, params, "cuda", "SGD") == "foreach"
+    lr = torch.tensor(1e-3)
+    assert step_implementation({**default, "lr": lr}, params, "cuda", "Adam") == "single"
+    assert step_implementation({**default, "lr": lr, "capturable": True}, params, "cuda", "Adam") == "foreach"
+    assert step_implementation({"foreach": None, "fused": False}, params, device_type="cuda") == "single"
     assert step_implementation({"fused": True, "foreach": None}, params) == "fused"
     assert step_implementation({"foreach": True}, params) == "foreach"
+
+
+def test_mixed_dtypes_in_foreach_adam_not_under_predicted():
+    """Adam's foreach path keeps one (device, dtype) group's square root while it makes the next's."""
+    params = _params()
+    params[2].data, params[2].grad = params[2].data.double(), params[2].grad.double()  # 1 MiB
+    opt = torch.optim.Adam(params, lr=1e-3, foreach=True)
+    _, _, step_predicted, step = _measured_step(opt)
+    assert step >= 1.5 * 2**20  # both groups' square roots at once (0.66 MiB of float32)
+    assert step_predicted >= step - 4096, (step_predicted, step)
+
+
+def test_a_subclass_counts_as_the_optimizer_it_extends():
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    ours, theirs = (cls(_params(), lr=1e-3) for cls in (MyAdamW, torch.optim.AdamW))
+    assert optimizer_bytes(ours) == optimizer_bytes(theirs)
+    assert optimizer_bytes(ours)[0] > 0
 
 
 def _train(model, opt, batch):
