@@ -123,11 +123,12 @@ def _time_rates_real(dev: torch.device) -> DeviceRates:
     return DeviceRates(flops_per_s=2 * n**3 / mm_s, bytes_per_s=2 * big.nbytes / copy_s)
 
 
-def _tensor_bytes(x: object) -> int:
+def tensor_bytes(x: object) -> int:
+    """Bytes of a tensor's elements (of every tensor in a list or tuple; 0 for anything else)."""
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
     if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(y) for y in x)
+        return sum(tensor_bytes(y) for y in x)
     return 0
 
 
@@ -161,8 +162,6 @@ class CostModel:
     def node_seconds(self, node: fx.Node) -> float:
         if node.op != "call_function" or _is_view(node):
             return 0.0
-        moved = _tensor_bytes(node.meta.get("val")) + sum(
-            _tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
-        )
+        moved = tensor_bytes(node.meta.get("val")) + sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
         flops = self.flops(node)
         return _PER_OP_OVERHEAD_S + max(flops / self.rates.flops_per_s, moved / self.rates.bytes_per_s)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fxmem import _torch_private as tp
 from fxmem.backend import _EAGER_DECOMPOSITIONS
+from fxmem.cost import tensor_bytes
 from fxmem.optimizer import optimizer_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.pipeline import run_passes
@@ -105,7 +106,7 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
         if id(t) in seen:
             continue
         seen.add(id(t))
-        total += t.numel() * t.element_size()
+        total += tensor_bytes(t)
     return total
 
 

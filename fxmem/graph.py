@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import kernels
-from fxmem.cost import CostModel
+from fxmem.cost import CostModel, tensor_bytes
 from fxmem.probe import workspace_bytes
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph", "module_path", "source_line"]
@@ -87,16 +87,12 @@ def source_line(node: fx.Node) -> str:
         return last
 
 
-def _tensor_bytes(val: object) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 # aten ops, run one by one, that allocate a temporary inside themselves (measured with the
 # profiler's allocator events): dropout's backward multiplies by the mask into one buffer and
 # scales into another; logsumexp writes exp(x - max) at the input's size before summing.
 _TRANSIENT = {
-    "aten.native_dropout_backward.default": lambda n: _tensor_bytes(n.meta.get("val")),
-    "aten.logsumexp.default": lambda n: _tensor_bytes(n.args[0].meta.get("val")),
+    "aten.native_dropout_backward.default": lambda n: tensor_bytes(n.meta.get("val")),
+    "aten.logsumexp.default": lambda n: tensor_bytes(n.args[0].meta.get("val")),
 }
 
 

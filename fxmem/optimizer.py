@@ -16,11 +16,12 @@ from collections.abc import Sequence
 import torch
 
 from fxmem import _torch_private as tp
+from fxmem.cost import tensor_bytes
 
 __all__ = ["optimizer_bytes", "step_implementation"]
 
 # state tensors per parameter (the first step allocates them)
-_STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1}
+_STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1, "SGD": 0}
 _ADAM = ("Adam", "AdamW")
 
 
@@ -44,7 +45,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer | None, device_type: str | 
             slots = 1 if group.get("momentum", 0) else 0
         elif name in _ADAM and group.get("amsgrad"):
             slots = 3  # and the running maximum of the second moment
-        missing += sum(slots * _nbytes(p) for p in params if not optimizer.state.get(p))
+        missing += sum(slots * tensor_bytes(p) for p in params if not optimizer.state.get(p))
         if params:
             step = max(step, _group_step_bytes(name, group, params, device_type))
     return missing, step
@@ -78,7 +79,7 @@ def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device
     impl = step_implementation(group, params, device_type, name)
     if impl == "fused":
         return 0
-    sizes = [_nbytes(p) for p in params]
+    sizes = [tensor_bytes(p) for p in params]
     copies_grad = bool(group.get("maximize")) or (
         bool(group.get("weight_decay")) and not (name == "AdamW" or group.get("decoupled_weight_decay"))
     )
@@ -114,7 +115,7 @@ def _group_step_bytes(name: str, group: dict, params: list[torch.Tensor], device
 def _known_class(optimizer: torch.optim.Optimizer) -> str:
     """The name of the torch optimizer `optimizer` is (a subclass of one counts as it)."""
     for cls in type(optimizer).__mro__:
-        if cls.__module__.startswith("torch.optim") and (cls.__name__ in _STATE_SLOTS or cls.__name__ == "SGD"):
+        if cls.__module__.startswith("torch.optim") and cls.__name__ in _STATE_SLOTS:
             return cls.__name__
     return type(optimizer).__name__
 
@@ -123,9 +124,5 @@ def _by_device_and_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.device,
     out: dict[tuple[torch.device, torch.dtype], int] = {}
     for p in params:
         key = (p.device, p.dtype)
-        out[key] = out.get(key, 0) + _nbytes(p)
+        out[key] = out.get(key, 0) + tensor_bytes(p)
     return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -34,7 +34,7 @@ from fxmem.again import (
     plan_second_recomputation,
 )
 from fxmem.cleanup import remove_redundant_clones
-from fxmem.cost import CostModel, measure_rates
+from fxmem.cost import CostModel, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
 from fxmem.plan import Decision, Plan
@@ -292,7 +292,7 @@ def _make_plan(
         decisions.append(
             Decision(
                 name=node.name,
-                nbytes=val.numel() * val.element_size(),
+                nbytes=tensor_bytes(val),
                 action=action,
                 cost_s=jg.cost_s[i] if action == "recompute" else 0.0,
                 op=str(node.target),
@@ -346,7 +346,7 @@ def _second_decisions(jg: JointGraph, second: SecondRecomputation, copies: list[
         out.append(
             Decision(
                 name=name,
-                nbytes=val.numel() * val.element_size(),
+                nbytes=tensor_bytes(val),
                 action="recompute",
                 cost_s=cost_s / len(second.dropped),
                 op=str(node.target),
