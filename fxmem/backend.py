@@ -129,6 +129,8 @@ class Options:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {opts.compiler!r}")
         if opts.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {opts.precision!r}")
+        if opts.optimizer is not None and not isinstance(opts.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opts.optimizer).__name__}")
         if not 0 <= opts.margin < 0.5:
             raise ValueError(f"margin must be a fraction in [0, 0.5), got {opts.margin!r}")
         if opts.plan is not None and not isinstance(opts.plan, Plan):

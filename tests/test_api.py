@@ -143,6 +143,8 @@ def test_bad_options_refused():
         fxmem.optimize(nn.Linear(2, 2), 1.0, compiler="tvm")
     with pytest.raises(TypeError):
         fxmem.optimize("not a module", 1.0)
+    with pytest.raises(TypeError, match="optimizer"):
+        fxmem.optimize(nn.Linear(2, 2), 1.0, optimizer="adamw")
 
 
 def test_same_module_shared_parameters_and_state_dict():
