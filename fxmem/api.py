@@ -50,7 +50,8 @@ def optimize(
     `passes` names the rewrite passes to run (default: the exact ones, `swap_sdpa`,
     `fuse_projections`, `chunked_attention`, `chunked_lm_loss`; `()` runs none). `precision="bf16"` also runs
     `bf16_regions`: autocast's bf16 policy over the step, fp32 master weights — numerics
-    change, so it is opt-in.
+    change, so it is opt-in. Naming `microbatch_blocks` lets a budget below the floor run
+    repeated blocks over slices of the batch (see its docstring; opt-in).
 
     `tie_weights=True` ties parameters with equal shapes and values into one tensor (a tied
     checkpoint loaded untied); a list of `(keep, replace)` name pairs ties those. Numerics of

@@ -22,12 +22,13 @@ from torch._decomp import get_decompositions
 
 from fxmem import _torch_private as tp
 from fxmem.constants import checked
-from fxmem.errors import check_budget_gb
+from fxmem.errors import BudgetError, check_budget_gb
 from fxmem.measure import live_tensor_bytes
 from fxmem.optimizer import optimizer_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
-from fxmem.pipeline import default_passes, run_passes
-from fxmem.plan import Plan
+from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
+from fxmem.pipeline import MICROBATCH, default_passes, run_passes
+from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
 
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
@@ -226,26 +227,67 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         earlier = ledger.others(region)
         static["other live tensors"] = max(0, static["other live tensors"] - earlier)
         static["earlier regions' activations"] = earlier
-    req = PlanRequest(
-        budget_bytes=opts.budget_bytes,
-        device=device,
-        static_bytes=static,
-        optimizer_bytes=state_bytes,
-        optimizer_step_bytes=step_bytes,
-        compiler=opts.compiler,
-        margin_fraction=opts.margin,
-        rewrites=fired,
-        on_plan=on_plan,
-        reuse=opts.plan,
-    )
-    partition_fn = make_partition_fn(req)
-    if opts.compiler == "inductor":
-        compiled = tp.inductor_compile(gm, list(example_inputs), partition_fn)
-    else:
-        compiled = tp.aot_autograd(
+
+    def compile_graph(graph: fx.GraphModule, rewrites: dict[str, int], slices: int) -> Any:
+        req = PlanRequest(
+            budget_bytes=opts.budget_bytes,
+            device=device,
+            static_bytes=static,
+            optimizer_bytes=state_bytes,
+            optimizer_step_bytes=step_bytes,
+            compiler=opts.compiler,
+            margin_fraction=opts.margin,
+            rewrites=rewrites,
+            batch_slices=slices,
+            on_plan=on_plan,
+            reuse=opts.plan,
+        )
+        partition_fn = make_partition_fn(req)
+        if opts.compiler == "inductor":
+            return tp.inductor_compile(graph, list(example_inputs), partition_fn)
+        return tp.aot_autograd(
             fw_compiler=lambda g, _: tp.boxed_graph_function(g),
             bw_compiler=lambda g, _: tp.boxed_graph_function(g),
             partition_fn=partition_fn,
             decompositions=_EAGER_DECOMPOSITIONS,
-        )(gm, example_inputs)
+        )(graph, example_inputs)
+
+    slicing = MICROBATCH in opts.pass_names()
+    if opts.plan is not None and opts.plan.batch_slices > 1:  # the graph the saved plan was made for
+        sliced, blocks = microbatch_blocks(gm, opts.plan.batch_slices)
+        compiled = compile_graph(sliced, {**fired, MICROBATCH: blocks}, opts.plan.batch_slices)
+    elif slicing:
+        compiled = _compile_sliced_if_needed(gm, fired, compile_graph)
+    else:
+        compiled = compile_graph(gm, fired, 1)
     return checked(compiled, gm)  # premises the passes took about module buffers
+
+
+def _compile_sliced_if_needed(
+    gm: fx.GraphModule, fired: dict[str, int], compile_graph: Callable[[fx.GraphModule, dict[str, int], int], Any]
+) -> Any:
+    """Compile the graph as it is; when the budget is below its floor, again with its blocks over
+    2, 4, then 8 slices of the batch, keeping the fewest slices that fit. When none fits, the
+    BudgetError with the lowest floor is raised."""
+    try:
+        return compile_graph(gm, {**fired, MICROBATCH: 0}, 1)
+    except BudgetError as unsliced:
+        lowest = unsliced
+    slices = 2
+    while slices <= MAX_SLICES:
+        sliced, blocks = microbatch_blocks(gm, slices)
+        if not blocks:
+            break
+        log.info(
+            "budget below the floor of %s; planning again with %d blocks over %d batch slices",
+            format_bytes(lowest.floor_bytes),
+            blocks,
+            slices,
+        )
+        try:
+            return compile_graph(sliced, {**fired, MICROBATCH: blocks}, slices)
+        except BudgetError as e:
+            if e.floor_bytes < lowest.floor_bytes:
+                lowest = e
+        slices *= 2
+    raise lowest

@@ -67,6 +67,7 @@ class PlanRequest:
     margin_fraction: float = 0.03
     margin_bytes: int = 2 * 2**20
     rewrites: dict[str, int] = field(default_factory=dict)
+    batch_slices: int = 1  # slices of the batch the sliced blocks run over
     on_plan: Callable[[Plan], None] | None = None
     reuse: Plan | None = None  # apply this saved plan's decisions instead of planning
 
@@ -327,6 +328,7 @@ def _make_plan(
         fingerprint=fingerprint(graph),
         saved_nodes=[jg.nodes[i].name for i, s in enumerate(choice.saved) if s],
         second_recomputation=asdict(second) if second is not None else {},
+        batch_slices=req.batch_slices,
     )
 
 

@@ -67,6 +67,8 @@ class Plan:
     # Saved values the backward computes a second time from earlier saved ones, by node name
     # ({"dropped", "chain", "downstream"}; see `again.SecondRecomputation`); empty when none.
     second_recomputation: dict = field(default_factory=dict, repr=False)
+    # Slices of the batch each block in rewrites["microbatch_blocks"] runs over (1: not sliced).
+    batch_slices: int = 1
 
     @property
     def saved(self) -> list[Decision]:
@@ -114,6 +116,11 @@ class Plan:
             )
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in self.rewrites.items()))
+        if self.batch_slices > 1:
+            lines.append(
+                f"  batch slices:    {self.rewrites.get('microbatch_blocks', 0)} blocks run over "
+                f"{self.batch_slices} slices of the batch each"
+            )
         biggest = sorted(self.decisions, key=lambda d: -d.nbytes)[:top]
         if biggest:
             lines.append(f"  largest candidates (of {len(self.decisions)}):")

@@ -1,0 +1,226 @@
+"""microbatch_blocks: repeated blocks run over slices of the batch when the budget needs it.
+
+The pass on its own (Dynamo's graph, run eagerly): which blocks it slices, exactness against
+eager, what it refuses. Through `fxmem.optimize`: only a budget below the unsliced floor
+slices, the floor drops, the budget holds as measured and the gradients are eager's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from _graphs import calls, compile_with_pass
+from conftest import grads_of, max_rel_err, step, zero_grads
+from fxmem.passes.microbatch_blocks import microbatch_blocks, slice_candidates
+
+import fxmem
+from fxmem.pipeline import default_passes
+from fxmem.testing import GPT, GPTConfig, ViT, ViTConfig, gpt_batch, vit_batch
+
+TOL = 1e-5
+SLICING = [*default_passes(), "microbatch_blocks"]
+VIT = ViTConfig(image_size=32, patch_size=8, n_layer=2, n_head=2, n_embd=64)
+
+
+def _sliced(slices):
+    def run(gm, ex):
+        return microbatch_blocks(gm, slices)
+
+    return run
+
+
+def _eager_grads(model, batch):
+    zero_grads(model)
+    loss = step(model, *batch)
+    grads = grads_of(model)
+    zero_grads(model)
+    return loss, grads
+
+
+@pytest.mark.parametrize("slices", [2, 3])
+def test_vit_blocks_run_over_slices_exactly(slices):
+    torch.manual_seed(0)
+    model, batch = ViT(VIT), vit_batch(VIT, 4)
+    ref_loss, ref = _eager_grads(model, batch)
+    fn, seen = compile_with_pass(_sliced(slices), model)
+    loss = step(fn, *batch)
+    gm, fired = seen[0]
+    assert fired == VIT.n_layer
+    assert len(calls(gm, F.scaled_dot_product_attention)) == VIT.n_layer * slices
+    assert torch.allclose(loss, ref_loss, rtol=TOL)
+    assert max_rel_err(grads_of(model), ref) < TOL
+
+
+def test_the_original_graph_is_left_as_it_was():
+    torch.manual_seed(0)
+    model, batch = ViT(VIT), vit_batch(VIT, 4)
+    kept = []
+
+    def run(gm, ex):
+        before = str(gm.graph)
+        new, fired = microbatch_blocks(gm, 2)
+        kept.append((before, str(gm.graph), fired, new is gm))
+        return new, fired
+
+    fn, _ = compile_with_pass(run, model)
+    step(fn, *batch)
+    before, after, fired, same = kept[0]
+    assert fired == VIT.n_layer and before == after and not same
+
+
+class _NormBlock(nn.Module):
+    """A block whose BatchNorm mixes the samples: it cannot run over slices."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return x + self.bn(self.fc(x))
+
+
+class _DropBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + F.dropout(self.fc(x), 0.1, training=True)
+
+
+class _InPlaceBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(2)
+        return x + h
+
+
+class _MeanBlock(nn.Module):
+    """Each sample minus the batch's mean: a reduction over the batch."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return x + h - h.mean(0, keepdim=True)
+
+
+class _Stack(nn.Module):
+    def __init__(self, block, width=16, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(block(width) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize(
+    "block,reason",
+    [
+        (_NormBlock, "_bn_"),
+        (_DropBlock, "dropout"),
+        (_InPlaceBlock, "mul_"),
+        (_MeanBlock, "mean"),
+    ],
+)
+def test_blocks_that_mix_samples_or_draw_are_left_whole(block, reason):
+    torch.manual_seed(0)
+    model = _Stack(block)
+    x = torch.randn(8, 16)
+    seen = []
+
+    def run(gm, ex):
+        batch, ok, refused = slice_candidates(gm)
+        seen.append((batch, ok, refused))
+        return microbatch_blocks(gm, 2)
+
+    fn, fired = compile_with_pass(run, model)
+    fn(x)
+    batch, ok, refused = seen[0]
+    assert batch == 8 and not ok and fired[0][1] == 0
+    assert len(refused) == 2 and reason in refused["L['self'].blocks.0"].reason, refused
+
+
+def test_a_plain_stack_of_blocks_is_sliced():
+    torch.manual_seed(0)
+    model = _Stack(lambda w: nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)))
+    x = torch.randn(8, 16, requires_grad=True)
+    ref = model(x)
+    fn, seen = compile_with_pass(_sliced(4), model)
+    out = fn(x)
+    assert seen[0][1] == 2
+    assert torch.allclose(out, ref, rtol=TOL)
+
+
+def _vit_case():
+    cfg = ViTConfig(image_size=32, patch_size=4, n_layer=2, n_head=2, n_embd=64, classes=10)
+    torch.manual_seed(0)
+    return ViT(cfg), vit_batch(cfg, 16)
+
+
+def _floor(model, batch, **kwargs):
+    with pytest.raises(fxmem.BudgetError) as e:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, **kwargs)
+    return e.value
+
+
+def test_only_a_budget_below_the_unsliced_floor_slices_and_it_holds():
+    model, batch = _vit_case()
+    _, ref = _eager_grads(model, batch)
+    whole = _floor(model, batch, compiler="eager")
+    sliced = _floor(model, batch, compiler="eager", passes=SLICING)
+    assert whole.plan.batch_slices == 1 and "microbatch_blocks" not in whole.plan.rewrites  # opt-in
+    assert sliced.plan.batch_slices == 8 and sliced.plan.rewrites["microbatch_blocks"] == 2
+    assert sliced.floor_bytes < 0.8 * whole.floor_bytes, (sliced.floor_bytes, whole.floor_bytes)
+
+    roomy = fxmem.optimize(
+        model, whole.floor_bytes * 1.5 / 2**30, example_inputs=batch, compiler="eager", passes=SLICING
+    )
+    assert roomy.plan.batch_slices == 1 and roomy.plan.rewrites["microbatch_blocks"] == 0
+
+    budget = (sliced.floor_bytes + whole.floor_bytes) / 2
+    m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler="eager", passes=SLICING)
+    assert m.plan.batch_slices > 1
+    assert "batch slices" in m.plan.summary()
+    step(m, *batch)
+    assert max_rel_err(grads_of(model), ref) < 1e-5
+    zero_grads(model)
+    measured = fxmem.measure(step, m, *batch).peak_bytes
+    assert measured <= m.plan.budget_bytes, (measured, m.plan.budget_bytes)
+    assert abs(m.plan.predicted_peak_bytes - measured) <= 0.10 * measured, (m.plan.predicted_peak_bytes, measured)
+
+
+def test_a_saved_sliced_plan_applies_to_the_same_model(tmp_path):
+    model, batch = _vit_case()
+    sliced = _floor(model, batch, compiler="eager", passes=SLICING)
+    budget_gb = sliced.floor_bytes * 1.05 / 2**30  # room for what else lives beside the first
+    m = fxmem.optimize(model, budget_gb, example_inputs=batch, compiler="eager", passes=SLICING)
+    assert m.plan.batch_slices > 1
+    path = m.plan.save(tmp_path, files=False)
+    again = fxmem.optimize(model, budget_gb, example_inputs=batch, compiler="eager", passes=SLICING, plan=path)
+    assert again.plan.batch_slices == m.plan.batch_slices
+    assert again.plan.saved_nodes == m.plan.saved_nodes
+
+
+def test_gpt_blocks_are_sliced_after_swap_sdpa():
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    torch.manual_seed(0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 4, 64)
+    _, ref = _eager_grads(model, batch)
+    sliced = _floor(model, batch, compiler="eager", passes=SLICING)
+    assert sliced.plan.batch_slices == 4 and sliced.plan.rewrites["microbatch_blocks"] == cfg.n_layer
+    m = fxmem.optimize(model, sliced.floor_bytes * 1.05 / 2**30, example_inputs=batch, compiler="eager", passes=SLICING)
+    assert m.plan.batch_slices > 1
+    step(m, *batch)
+    assert max_rel_err(grads_of(model), ref) < 1e-5
