@@ -226,6 +226,17 @@ def _partitioner_class() -> type:
     return FxmemPartitioner
 
 
+def inductor_layout_optimization(gm: torch.fx.GraphModule) -> bool:
+    """Whether inductor will run this graph's convolutions channels-last (its own heuristic:
+    on CPU with mkldnn, whenever there is one)."""
+    from torch._inductor.graph import GraphLowering
+
+    try:
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
+    except Exception:  # noqa: BLE001 -- a heuristic of torch's: no answer means no copies
+        return False
+
+
 def register_log_name() -> None:
     """Make `TORCH_LOGS=+fxmem` and `torch._logging.set_logs(fxmem=logging.DEBUG)` control the
     `fxmem` logger, whether or not torch found the package when it parsed TORCH_LOGS."""

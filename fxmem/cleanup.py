@@ -4,6 +4,11 @@ Functionalization leaves `clone` nodes where an op returned its input (dropout w
 the values are equal and the graph is functional, so the copy only costs memory, and a plan
 would save both. A clone is dropped when it keeps the layout, is not a graph output and does
 not copy a graph input (AOTAutograd's output-aliasing bookkeeping depends on those).
+
+The other way round, a copy inductor would make unseen is made a node of the graph: with a
+convolution on CPU, inductor runs convolutions channels-last, so a graph input read by one (a
+batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
+node the copy is counted, and the planner may make it again in the backward instead.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["remove_redundant_clones"]
+from fxmem import _torch_private as tp
+
+__all__ = ["copy_conv_inputs_channels_last", "remove_redundant_clones"]
 
 _CLONE = torch.ops.aten.clone.default
+_CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
 
 def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
@@ -42,3 +50,36 @@ def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
     if remap:
         gm.recompile()
     return remap
+
+
+def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
+    """Where inductor will run convolutions channels-last (its layout optimisation), give each
+    graph input that a convolution reads as its input, and that is not channels-last already,
+    an explicit channels-last copy read by the convolutions and their backward. Returns how
+    many inputs were copied."""
+    if not tp.inductor_layout_optimization(gm):
+        return 0
+    copies = 0
+    for src in list(gm.graph.find_nodes(op="placeholder")):
+        val = src.meta.get("val")
+        readers = [u for u in src.users if u.target in _CONVS and _conv_input(u) is src]
+        if not readers or not isinstance(val, torch.Tensor) or val.ndim != 4:
+            continue
+        if val.is_contiguous(memory_format=torch.channels_last):
+            continue
+        first = min(readers, key=lambda u: list(gm.graph.nodes).index(u))
+        with gm.graph.inserting_before(first):
+            copy = gm.graph.call_function(_CLONE, (src,), {"memory_format": torch.channels_last})
+        copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+        for u in readers:
+            u.replace_input_with(src, copy)
+        copies += 1
+    if copies:
+        gm.graph.lint()
+        gm.recompile()
+    return copies
+
+
+def _conv_input(node: fx.Node) -> fx.Node | None:
+    """The input (not the weight) a convolution or its backward reads."""
+    return node.args[0] if node.target is _CONVS[0] else node.args[1]

@@ -33,7 +33,7 @@ from fxmem.again import (
     apply_second_recomputation,
     plan_second_recomputation,
 )
-from fxmem.cleanup import remove_redundant_clones
+from fxmem.cleanup import copy_conv_inputs_channels_last, remove_redundant_clones
 from fxmem.cost import CostModel, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
@@ -90,6 +90,8 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         t0 = time.perf_counter()
         cost = CostModel(measure_rates(str(req.device)))
         storage_remap = remove_redundant_clones(joint)
+        if req.compiler == "inductor":
+            copy_conv_inputs_channels_last(joint)
         fusing = req.compiler == "inductor"
 
         def build(gm: fx.GraphModule) -> JointGraph:
