@@ -38,6 +38,7 @@ import torch.nn as nn
 import fxmem
 from benchmarks._models import Batch, ModelSpec
 from benchmarks._records import SEED, UNCONSTRAINED_GB, Config, GiB, MiB, Options, Result
+from fxmem.pipeline import default_passes
 
 __all__ = ["bench_model"]
 
@@ -148,13 +149,24 @@ def _anchor_configs(spec: ModelSpec, model: nn.Module, opts: Options) -> list[Co
     return configs
 
 
-def _fxmem_config(model: nn.Module, budget_bytes: int | None, passes: tuple[str, ...] | None, label: str) -> Config:
-    kind = "fxmem" if passes is None else "fxmem-remat"
+def _fxmem_config(
+    model: nn.Module, budget_bytes: int | None, passes: tuple[str, ...] | None, label: str, kind: str = ""
+) -> Config:
+    kind = kind or ("fxmem" if passes is None else "fxmem-remat")
     # +0.5 byte: fxmem truncates budget_gb * 2**30 to bytes, and a float can land one below
     budget_gb = UNCONSTRAINED_GB if budget_bytes is None else (budget_bytes + 0.5) / GiB
-    name = f"fxmem{' remat only (passes=())' if passes is not None else ''}, {label}"
-    module = fxmem.optimize(model, budget_gb, passes=passes)
+    module = fxmem.optimize(model, budget_gb, passes=passes, **_FXMEM_KINDS[kind][1])
+    name = f"fxmem{_FXMEM_KINDS[kind][0]}, {label}"
     return Config(name, kind, call=lambda b: _call(module, b), budget_bytes=budget_bytes, fxmem_module=module)
+
+
+# fxmem's configurations besides its default: kind -> (what the name adds, fxmem.optimize options)
+SLICED_PASSES = (*default_passes(), "microbatch_blocks")
+_FXMEM_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fxmem": ("", {}),
+    "fxmem-remat": (" remat only (passes=())", {}),
+    "fxmem-sliced": (' compiler="eager" + microbatch_blocks', {"compiler": "eager"}),
+}
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -273,11 +285,13 @@ def _fxmem_budgets(floor: int, top: int, anchor_peaks: list[int], points: int) -
     return sorted(budgets)
 
 
-def _floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None) -> tuple[int | None, str]:
+def _floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
     """fxmem's floor for this model, read from the BudgetError an impossible budget raises."""
     try:
-        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
+        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, **options)
     except fxmem.BudgetError as e:
+        if passes == SLICED_PASSES and e.plan is not None and e.plan.batch_slices == 1:
+            return None, "no block of this model can run over slices of the batch"
         return e.floor_bytes, ""
     except Exception as e:  # noqa: BLE001
         return None, _first_line(e)
@@ -349,6 +363,20 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
             runner.warm_up(c)
             if c.first_s is not None:
                 c.notes.append(f"floor found by a refused plan in {time.perf_counter() - t0 - c.first_s:.1f} s")
+            configs.append(c)
+
+    if opts.sliced and spec.sliced:
+        # At its floor only: microbatch_blocks is opt-in, and under inductor its plans predict
+        # less than is measured, so it runs with compiler="eager" (see passes/microbatch_blocks.py).
+        t0 = time.perf_counter()
+        sliced_floor, why = _floor_of(model, batch, SLICED_PASSES, **_FXMEM_KINDS["fxmem-sliced"][1])
+        if sliced_floor is None:
+            fx_free.notes.append(f"{_FXMEM_KINDS['fxmem-sliced'][0].strip()}: not run ({why})")
+        else:
+            c = _fxmem_config(model, sliced_floor, SLICED_PASSES, "at its floor", kind="fxmem-sliced")
+            runner.warm_up(c)
+            if c.first_s is not None:
+                c.notes.append(f"floor found by refused plans in {time.perf_counter() - t0 - c.first_s:.1f} s")
             configs.append(c)
 
     # Round-robin: gradients on round 0 (family references first), then rotating order.

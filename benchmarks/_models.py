@@ -42,6 +42,7 @@ class ModelSpec:
     sizes: dict[str, Size]  # "cpu", "cuda", "quick" (missing: not run on that device)
     random_ops: bool = False  # dropout: gradients compare within one RNG stream only
     remat_only: bool = True  # also measure fxmem with passes=() (the passes' effect)
+    sliced: bool = True  # also fxmem with compiler="eager" + microbatch_blocks at its floor
 
 
 def _checkpoint_blocks(blocks_of: Callable[[nn.Module], list[nn.Module]]) -> Callable[[nn.Module], None]:

@@ -31,6 +31,7 @@ class Options:
     fxmem_points: int = 2  # budgeted fxmem points besides "unconstrained", floor included
     eager_fractions: tuple[float, ...] = (0.6,)  # also fxmem at these fractions of eager's measured peak
     remat_only: bool = True  # also fxmem with passes=(): rematerialisation alone
+    sliced: bool = True  # also fxmem with compiler="eager" + microbatch_blocks, at its floor
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Config:
     """One way to run a training step, and what was measured for it."""
 
     name: str
-    kind: str  # eager | ckpt | offload | compile | amb | fxmem | fxmem-remat
+    kind: str  # eager | ckpt | offload | compile | amb | fxmem | fxmem-remat | fxmem-sliced
     call: Callable[[Batch], Any] | None = None  # batch -> model output
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     budget_bytes: int | None = None  # fxmem only; None: unconstrained

@@ -32,8 +32,10 @@ class GoalCheck:
         return self.anchor is None or self.ratio <= 1.0
 
 
-def goal_checks(result: Result) -> tuple[list[GoalCheck], tuple[int, int, Config] | None]:
-    """Per fxmem point (default passes) the speed check; and (fxmem floor, lowest anchor peak, it)."""
+def goal_checks(result: Result) -> tuple[list[GoalCheck], tuple[int, int, Config, Config] | None]:
+    """Per fxmem point (default passes) the speed check; and (fxmem's lowest measured peak within
+    its budget, in any of its configurations; the lowest anchor peak; that anchor; that fxmem
+    configuration)."""
     anchors = result.anchors()
     checks = []
     for c in result.fxmem():
@@ -43,11 +45,17 @@ def goal_checks(result: Result) -> tuple[list[GoalCheck], tuple[int, int, Config
     floor = None
     if anchors and result.fxmem():
         lowest = min(anchors, key=lambda a: a.peak_bytes)
-        floor = (min(c.peak_bytes for c in result.fxmem()), lowest.peak_bytes, lowest)
+        fits = [c for c in result.fxmem() + result.fxmem("fxmem-sliced") if not c.over_budget]
+        best = min(fits or result.fxmem(), key=lambda c: c.peak_bytes)
+        floor = (best.peak_bytes, lowest.peak_bytes, lowest, best)
     return checks, floor
 
 
 # -- markdown --------------------------------------------------------------------------------------
+def _sliced_mark(c: Config) -> str:
+    return ', compiler="eager" + microbatch_blocks' if c.kind == "fxmem-sliced" else ""
+
+
 def _row(c: Config, base: Config | None) -> str:
     if c.na:
         return f"| {c.name} | — | n/a | n/a | | | | |"
@@ -102,11 +110,12 @@ def render_model(result: Result, png_name: str | None) -> str:
                 f"{g.ratio:.2f}x, {verdict}"
             )
     if floor is not None:
-        fx_floor, low, who = floor
+        fx_floor, low, who, best = floor
         verdict = "met" if fx_floor <= low / 2 else "**not met**"
         lines.append(
-            f"- floor: fxmem's lowest measured peak {_mib(fx_floor)} MiB vs half the lowest anchor peak "
-            f"({who.name}, {_mib(low)} MiB → {_mib(low // 2)} MiB): {fx_floor / low:.2f} of it, {verdict}"
+            f"- floor: fxmem's lowest measured peak within its budget {_mib(fx_floor)} MiB ({best.name}) vs half "
+            f"the lowest anchor peak ({who.name}, {_mib(low)} MiB → {_mib(low // 2)} MiB): {fx_floor / low:.2f} "
+            f"of it, {verdict}"
         )
     free = next((c for c in result.fxmem() if c.budget_bytes is None), None)
     for c in result.fxmem():
@@ -163,7 +172,7 @@ def summary_table(results: list[Result]) -> str:
         grads = "; ".join(bad) if bad else "all match their reference"
         lines.append(
             f"| {r.spec.name} | {fast.name} ({_mib(fast.peak_bytes)}, {fast.step_s:.3f}) | {_mib(floor[1])} "
-            f"({floor[2].name}) | {_mib(floor[0])} ({floor[0] / floor[1]:.2f}x) | {met} of {len(checks)} budgets | "
+            f"({floor[2].name}) | {_mib(floor[0])} ({floor[0] / floor[1]:.2f}x{_sliced_mark(floor[3])}) | {met} of {len(checks)} budgets | "
             f"{vs} | {grads} |"
         )
     return "\n".join(lines) + "\n"
@@ -216,6 +225,7 @@ _STYLE = {  # kind -> (label, marker, colour)
     "amb": ("torch.compile + activation_memory_budget", "v", "tab:cyan"),
     "fxmem": ("fxmem (budget sweep)", "*", "tab:red"),
     "fxmem-remat": ("fxmem remat only (passes=())", "P", "tab:orange"),
+    "fxmem-sliced": ('fxmem compiler="eager" + microbatch_blocks', "X", "tab:green"),
 }
 
 

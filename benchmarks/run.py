@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(torch._dynamo.config, knob, 64)
     opts = Options(device=args.device, steps=args.steps)
     if args.quick:
-        opts.amb_values, opts.fxmem_points, opts.remat_only = (0.5,), 1, False
+        opts.amb_values, opts.fxmem_points, opts.remat_only, opts.sliced = (0.5,), 1, False, False
 
     def log(msg: str) -> None:
         print(msg, flush=True)
