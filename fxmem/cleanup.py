@@ -8,7 +8,8 @@ not copy a graph input (AOTAutograd's output-aliasing bookkeeping depends on tho
 The other way round, a copy inductor would make unseen is made a node of the graph: with a
 convolution on CPU, inductor runs convolutions channels-last, so a graph input read by one (a
 batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
-node the copy is counted, and the planner may make it again in the backward instead.
+node the copy is counted, kept from the forward (inductor keeps one for the backward whatever
+the plan says).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(first):
             copy = gm.graph.call_function(_CLONE, (src,), {"memory_format": torch.channels_last})
         copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+        # Kept, never made again: inductor keeps a channels-last copy for the backward either way
+        # (made again in the backward, the forward still returns a copy of its own).
+        copy.meta["partitioner_tag"] = "must_be_in_forward"
         for u in readers:
             u.replace_input_with(src, copy)
         copies += 1
