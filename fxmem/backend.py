@@ -9,7 +9,9 @@ here, once, into an `Options`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,6 +23,7 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 
 from fxmem import _torch_private as tp
+from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, check_budget_gb
 from fxmem.measure import live_tensor_bytes
@@ -34,6 +37,9 @@ from fxmem.plan_log import emit_plan
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
 log = logging.getLogger("fxmem")
+
+# Compiles a graph (rewrites fired, batch slices) under a budget in bytes; raises BudgetError.
+CompileGraph = Callable[[fx.GraphModule, dict[str, int], int, "int | None"], Any]
 
 COMPILERS = ("inductor", "eager")
 PRECISIONS = ("fp32", "bf16")
@@ -228,9 +234,9 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         static["other live tensors"] = max(0, static["other live tensors"] - earlier)
         static["earlier regions' activations"] = earlier
 
-    def compile_graph(graph: fx.GraphModule, rewrites: dict[str, int], slices: int) -> Any:
+    def compile_graph(graph: fx.GraphModule, rewrites: dict[str, int], slices: int, budget: int | None) -> Any:
         req = PlanRequest(
-            budget_bytes=opts.budget_bytes,
+            budget_bytes=budget,
             device=device,
             static_bytes=static,
             optimizer_bytes=state_bytes,
@@ -255,26 +261,29 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     slicing = MICROBATCH in opts.pass_names()
     if opts.plan is not None and opts.plan.batch_slices > 1:  # the graph the saved plan was made for
         sliced, blocks = microbatch_blocks(gm, opts.plan.batch_slices)
-        compiled = compile_graph(sliced, {**fired, MICROBATCH: blocks}, opts.plan.batch_slices)
+        compiled = compile_graph(sliced, {**fired, MICROBATCH: blocks}, opts.plan.batch_slices, opts.budget_bytes)
     elif slicing:
-        compiled = _compile_sliced_if_needed(gm, fired, compile_graph)
+        compiled = _compile_sliced_if_needed(gm, fired, compile_graph, opts.budget_bytes)
     else:
-        compiled = compile_graph(gm, fired, 1)
+        compiled = compile_graph(gm, fired, 1, opts.budget_bytes)
     return checked(compiled, gm)  # premises the passes took about module buffers
 
 
 def _compile_sliced_if_needed(
-    gm: fx.GraphModule, fired: dict[str, int], compile_graph: Callable[[fx.GraphModule, dict[str, int], int], Any]
+    gm: fx.GraphModule, fired: dict[str, int], compile_graph: CompileGraph, budget_bytes: int
 ) -> Any:
-    """Compile the graph as it is; when the budget is below its floor, again with its blocks over
-    2, 4, then 8 slices of the batch, keeping the fewest slices that fit. When none fits, the
-    BudgetError with the lowest floor is raised."""
+    """Compile the graph as it is; when the budget is below its floor, with its blocks over
+    slices of the batch: 2, then the fewest that the floors say the budget needs (see
+    `_next_slices`), more while a plan does not fit. When none fits, the BudgetError with the
+    lowest floor is raised."""
     try:
-        return compile_graph(gm, {**fired, MICROBATCH: 0}, 1)
+        return compile_graph(gm, {**fired, MICROBATCH: 0}, 1, budget_bytes)
     except BudgetError as unsliced:
         lowest = unsliced
-    slices = 2
-    while slices <= MAX_SLICES:
+    most = min(MAX_SLICES, batch_size(gm) or 1)
+    floors: dict[int, int] = {}
+    slices: int | None = 2
+    while slices is not None and slices <= most:
         sliced, blocks = microbatch_blocks(gm, slices)
         if not blocks:
             break
@@ -285,9 +294,42 @@ def _compile_sliced_if_needed(
             slices,
         )
         try:
-            return compile_graph(sliced, {**fired, MICROBATCH: blocks}, slices)
+            return compile_graph(sliced, {**fired, MICROBATCH: blocks}, slices, budget_bytes)
         except BudgetError as e:
-            if e.floor_bytes < lowest.floor_bytes:
-                lowest = e
-        slices *= 2
+            floors[slices] = e.floor_bytes
+            lowest = min(lowest, e, key=lambda err: err.floor_bytes)
+        if most not in floors and slices < most - 1:
+            # The floor over the most slices, planned without compiling: whether any count fits,
+            # and, beside the floor just found, how many do.
+            sliced, blocks = microbatch_blocks(gm, most)
+            try:
+                compile_graph(sliced, {**fired, MICROBATCH: blocks}, most, 0)
+            except BudgetError as e:
+                floors[most] = e.floor_bytes
+                if e.floor_bytes < lowest.floor_bytes:
+                    plan = e.plan if e.plan is None else dataclasses.replace(e.plan, budget_bytes=budget_bytes)
+                    lowest = BudgetError(budget_bytes, e.floor_bytes, e.breakdown, plan)
+            if budget_bytes < floors.get(most, 0):
+                break
+        slices = _next_slices(floors, slices, budget_bytes, most)
     raise lowest
+
+
+def _next_slices(floors: dict[int, int], last: int, budget_bytes: int, most: int) -> int | None:
+    """The slice count to plan after `last` did not fit, from the floors planned so far (slices
+    -> floor bytes); None when more slices would not help.
+
+    A sliced block holds 1/n of its activations, so the floor over n slices is about a + b/n
+    (a: what slicing leaves alone). Fitted to the floors at `last` and at the most slices, that
+    names the fewest slices the budget needs; with a budget the fit puts below `a`, the most."""
+    if last >= most:
+        return None
+    if most not in floors:
+        return last + 1
+    f_last, f_most = floors[last], floors[most]
+    if f_most >= f_last:
+        return None
+    b = (f_last - f_most) / (1 / last - 1 / most)
+    a = f_most - b / most
+    want = most if budget_bytes <= a else math.ceil(b / (budget_bytes - a))
+    return min(most, max(last + 1, want))

@@ -18,17 +18,22 @@ of the batch, not the whole of it. The blocks' inputs and outputs stay whole.
 Opt-in: `fxmem.optimize(model, budget_gb, passes=[*default_passes(), "microbatch_blocks"])`
 (`default_passes` from `fxmem.pipeline`).
 Named, it runs only when the budget is below the floor of the plan without it: the backend then
-plans again with 2, 4 and 8 slices (at most one sample a slice) and keeps the fewest that fit,
-since smaller slices make smaller matmuls. It is not on by default yet: finding the floor plans
-up to four times, and its predictions under inductor were low until inductor's channels-last
-copy of a convolution's input was counted (a ViT on CPU, 4 blocks, batch 48, 8 slices, near its
-floor: 29.8 MiB predicted for 32.8 measured before, 32.1 for 32.8 after); with
-`compiler="eager"` they match (28.84 / 28.83 MiB). A block is sliced when every op in it treats each sample
-on its own, followed through views and permutes: pointwise ops, linear and matmul, LayerNorm
-and RMSNorm-style reductions over features, softmax, SDPA without dropout, views that keep the
-batch dimension whole. Anything else leaves the block as it is: BatchNorm or another reduction
-over the batch, random ops (each slice would draw differently from the unsliced step), in-place
-ops, tensors made from sizes, ops not listed here.
+plans again with 2 slices and, when that does not fit, finds the floor over the most slices (8,
+at most one sample a slice) without compiling; the two floors, fitted as a + b/n, name the
+fewest slices the budget needs, planned next (one more while a plan does not fit), since smaller
+slices make smaller matmuls. Finding the floor plans three times (a ViT on CPU: 7.7 s, against
+10.4 s when it planned with 2, 4 and 8 slices in turn). It is not on by default: that floor
+search makes every refused budget slower, inductor compiles a graph of 8 slices far more slowly
+(that ViT: a first call of 98 s at its floor, 8-10 s unsliced), and under inductor it plans
+2.4% below the measured peak there (31.9 MiB predicted, 32.65 measured; within the budget);
+with `compiler="eager"` predictions match (28.84 / 28.83 MiB) and the floor is lower.
+
+A block is sliced when every op in it treats each sample on its own, followed through views
+and permutes: pointwise ops, linear and matmul, LayerNorm and RMSNorm-style reductions over
+features, softmax, SDPA without dropout, views that keep the batch dimension whole. Anything
+else leaves the block as it is: BatchNorm or another reduction over the batch, random ops (each
+slice would draw differently from the unsliced step), in-place ops, tensors made from sizes,
+ops not listed here.
 
 Exact: each sample meets the same ops with the same weights; a weight's gradient is summed
 over the slices, as gradient accumulation sums it (equal to float rounding).

@@ -191,7 +191,7 @@ def test_only_a_budget_below_the_unsliced_floor_slices_and_it_holds():
 
     budget = (sliced.floor_bytes + whole.floor_bytes) / 2
     m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler="eager", passes=SLICING)
-    assert m.plan.batch_slices > 1
+    assert 1 < m.plan.batch_slices < sliced.plan.batch_slices  # fewer slices than the floor needs
     assert "batch slices" in m.plan.summary()
     step(m, *batch)
     assert max_rel_err(grads_of(model), ref) < 1e-5
@@ -224,3 +224,16 @@ def test_gpt_blocks_are_sliced_after_swap_sdpa():
     assert m.plan.batch_slices > 1
     step(m, *batch)
     assert max_rel_err(grads_of(model), ref) < 1e-5
+
+
+def test_the_slice_count_comes_from_the_floors_found():
+    from fxmem.backend import _next_slices
+
+    mib = 2**20
+    floors = {1: 100 * mib, 2: 80 * mib, 8: 44 * mib}  # a + b/n through 2 and 8: a = 32, b = 96 MiB
+    assert _next_slices(floors, 2, 60 * mib, 8) == 4  # 32 + 96/4 = 56 <= 60 < 32 + 96/3
+    assert _next_slices(floors, 2, 79 * mib, 8) == 3  # at least one more than the count that failed
+    assert _next_slices(floors, 2, 30 * mib, 8) == 8  # below a: the most there are
+    assert _next_slices({1: 100 * mib, 2: 80 * mib}, 2, 60 * mib, 3) == 3  # no floor at the most yet
+    assert _next_slices({2: 80 * mib, 8: 80 * mib}, 2, 60 * mib, 8) is None  # slicing does not lower it
+    assert _next_slices(floors, 8, 60 * mib, 8) is None
