@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +38,7 @@ from fxmem.plan_log import emit_plan
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
 log = logging.getLogger("fxmem")
+_FLOOR = operator.attrgetter("floor_bytes")  # of a BudgetError
 
 # Compiles a graph (rewrites fired, batch slices) under a budget in bytes; raises BudgetError.
 CompileGraph = Callable[[fx.GraphModule, dict[str, int], int, "int | None"], Any]
@@ -297,22 +299,31 @@ def _compile_sliced_if_needed(
             return compile_graph(sliced, {**fired, MICROBATCH: blocks}, slices, budget_bytes)
         except BudgetError as e:
             floors[slices] = e.floor_bytes
-            lowest = min(lowest, e, key=lambda err: err.floor_bytes)
+            lowest = min(lowest, e, key=_FLOOR)
         if most not in floors and slices < most - 1:
-            # The floor over the most slices, planned without compiling: whether any count fits,
-            # and, beside the floor just found, how many do.
-            sliced, blocks = microbatch_blocks(gm, most)
-            try:
-                compile_graph(sliced, {**fired, MICROBATCH: blocks}, most, 0)
-            except BudgetError as e:
-                floors[most] = e.floor_bytes
-                if e.floor_bytes < lowest.floor_bytes:
-                    plan = e.plan if e.plan is None else dataclasses.replace(e.plan, budget_bytes=budget_bytes)
-                    lowest = BudgetError(budget_bytes, e.floor_bytes, e.breakdown, plan)
-            if budget_bytes < floors.get(most, 0):
+            # The floor over the most slices: whether any count fits, and, beside the floor just
+            # found, how many do.
+            at_most = _floor_only(gm, fired, compile_graph, most, budget_bytes)
+            floors[most] = at_most.floor_bytes
+            lowest = min(lowest, at_most, key=_FLOOR)
+            if budget_bytes < at_most.floor_bytes:
                 break
         slices = _next_slices(floors, slices, budget_bytes, most)
     raise lowest
+
+
+def _floor_only(
+    gm: fx.GraphModule, fired: dict[str, int], compile_graph: CompileGraph, slices: int, budget_bytes: int
+) -> BudgetError:
+    """The refusal of the graph with its blocks over `slices` slices, planned without compiling
+    (a budget of 0 fits no plan), restated for the budget asked."""
+    sliced, blocks = microbatch_blocks(gm, slices)
+    try:
+        compile_graph(sliced, {**fired, MICROBATCH: blocks}, slices, 0)
+    except BudgetError as e:
+        plan = None if e.plan is None else dataclasses.replace(e.plan, budget_bytes=budget_bytes)
+        return BudgetError(budget_bytes, e.floor_bytes, e.breakdown, plan)
+    raise RuntimeError("fxmem: a plan fitted a budget of 0 bytes")
 
 
 def _next_slices(floors: dict[int, int], last: int, budget_bytes: int, most: int) -> int | None:
