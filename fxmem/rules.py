@@ -481,7 +481,8 @@ def _pure(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return not name.endswith("_") and op_key(node) != "dropout" and not node.is_impure()
+    in_place = name.endswith("_") and not name.endswith("__")  # add_, not __eq__
+    return not in_place and op_key(node) != "dropout" and not node.is_impure()
 
 
 def erase_unused(nodes: Sequence[fx.Node], replaced: set[fx.Node] = frozenset()) -> None:

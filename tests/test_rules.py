@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _graphs import calls, capture, run_graph
 
 from fxmem.pipeline import PASSES, default_passes, run_passes
-from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf, insert_call, match
+from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf, erase_unused, insert_call, match
 
 
 def _q():
@@ -238,6 +238,19 @@ def test_replaced_random_ops_are_erased():
     gm, fired = RulePass("drop", [rule])(gm, ex)
     assert fired == 1
     assert len(calls(gm, F.dropout)) == 1 and calls(gm, F.dropout)[0].args[0].op == "placeholder", gm.code
+
+
+def test_what_only_the_replaced_nodes_used_is_erased():
+    # `mask == 0` spelled as a method call (torch 2.11's Dynamo records `__eq__`): pure, so it
+    # goes with the match that used it; an in-place method call stays.
+    g = fx.Graph()
+    x, mask = g.placeholder("x"), g.placeholder("mask")
+    eq = g.call_method("__eq__", (mask, 0))
+    filled = g.call_method("masked_fill", (x, eq, 0.0))
+    bumped = g.call_method("add_", (mask, 1))
+    g.output(x)
+    erase_unused([filled, bumped])
+    assert [n.target for n in g.nodes if n.op == "call_method"] == ["add_"]
 
 
 def test_insert_call_and_call_leaf():
