@@ -40,7 +40,7 @@ from benchmarks._models import Batch, ModelSpec
 from benchmarks._records import SEED, UNCONSTRAINED_GB, Config, GiB, MiB, Options, Result
 from fxmem.pipeline import default_passes
 
-__all__ = ["bench_model"]
+__all__ = ["Runner", "bench_model", "call_model", "floor_of", "free_memory", "fxmem_config", "zero_grads"]
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def _loss(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def _call(module: Callable, batch: Batch) -> Any:
+def call_model(module: Callable, batch: Batch) -> Any:
     return module(**batch) if isinstance(batch, dict) else module(*batch)
 
 
@@ -62,7 +62,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _zero_grads(model: nn.Module) -> None:
+def zero_grads(model: nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
 
@@ -90,7 +90,7 @@ def _shared_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _free(device: str) -> None:
+def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -121,13 +121,13 @@ def _inductor_with_budget(amb: float) -> Callable:
 
 
 def _anchor_configs(spec: ModelSpec, model: nn.Module, opts: Options) -> list[Config]:
-    configs = [Config("eager", "eager", call=lambda b: _call(model, b))]
+    configs = [Config("eager", "eager", call=lambda b: call_model(model, b))]
 
     ckpt_model = _shared_copy(model)
     spec.checkpoint(ckpt_model)
-    configs.append(Config("eager + checkpoint every block", "ckpt", call=lambda b: _call(ckpt_model, b)))
+    configs.append(Config("eager + checkpoint every block", "ckpt", call=lambda b: call_model(ckpt_model, b)))
 
-    offload = Config("eager + save_on_cpu(pin_memory=True)", "offload", call=lambda b: _call(model, b))
+    offload = Config("eager + save_on_cpu(pin_memory=True)", "offload", call=lambda b: call_model(model, b))
     if opts.device == "cuda":
         offload.context = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
     else:
@@ -141,7 +141,7 @@ def _anchor_configs(spec: ModelSpec, model: nn.Module, opts: Options) -> list[Co
             Config(
                 name,
                 "compile" if amb is None else "amb",
-                call=lambda b, m=compiled: _call(m, b),
+                call=lambda b, m=compiled: call_model(m, b),
                 context=_amb_context(1.0 if amb is None else amb),
                 amb=amb,
             )
@@ -149,7 +149,7 @@ def _anchor_configs(spec: ModelSpec, model: nn.Module, opts: Options) -> list[Co
     return configs
 
 
-def _fxmem_config(
+def fxmem_config(
     model: nn.Module, budget_bytes: int | None, passes: tuple[str, ...] | None, label: str, kind: str = ""
 ) -> Config:
     kind = kind or ("fxmem" if passes is None else "fxmem-remat")
@@ -157,7 +157,7 @@ def _fxmem_config(
     budget_gb = UNCONSTRAINED_GB if budget_bytes is None else (budget_bytes + 0.5) / GiB
     module = fxmem.optimize(model, budget_gb, passes=passes, **_FXMEM_KINDS[kind][1])
     name = f"fxmem{_FXMEM_KINDS[kind][0]}, {label}"
-    return Config(name, kind, call=lambda b: _call(module, b), budget_bytes=budget_bytes, fxmem_module=module)
+    return Config(name, kind, call=lambda b: call_model(module, b), budget_bytes=budget_bytes, fxmem_module=module)
 
 
 # fxmem's configurations besides its default: kind -> (what the name adds, fxmem.optimize options)
@@ -181,7 +181,7 @@ def _recorded_warnings(config: Config) -> Iterator[None]:
             config.notes.append("measure warning: " + msg)
 
 
-class _Runner:
+class Runner:
     def __init__(self, model: nn.Module, batch: Batch, device: str, log: Callable[[str], None]):
         self.model, self.batch, self.device, self.log = model, batch, device, log
 
@@ -193,7 +193,7 @@ class _Runner:
 
     def warm_up(self, config: Config) -> None:
         """Compile (and plan) with one step; record its time, the plan, and one measured peak."""
-        _zero_grads(self.model)
+        zero_grads(self.model)
         try:
             torch.manual_seed(SEED)
             _sync(self.device)
@@ -208,14 +208,14 @@ class _Runner:
                 config.plan_floor_bytes = plan.floor_bytes
                 config.predicted_peak_bytes = plan.predicted_peak_bytes
                 config.rewrites = {k: v for k, v in plan.rewrites.items() if v}
-            _zero_grads(self.model)
+            zero_grads(self.model)
             self.measure(config)  # a first peak, and the step that makes fxmem.measure exact
         except fxmem.BudgetError as e:
             config.error = f"BudgetError: floor {e.floor_bytes / MiB:.1f} MiB"
             config.plan_floor_bytes = e.floor_bytes
         except Exception as e:  # noqa: BLE001 - a failing configuration is a row, not a crash
             config.error = _first_line(e)
-        _zero_grads(self.model)
+        zero_grads(self.model)
         self._report(config, "warm-up")
 
     def measure(
@@ -235,7 +235,7 @@ class _Runner:
         if grad_ref is not None:
             config.grad_err = _max_rel_err(self.model, grad_ref)
         grads = _grads_numpy(self.model) if keep_grads else None
-        _zero_grads(self.model)
+        zero_grads(self.model)
         return grads
 
     def time_step(self, config: Config) -> None:
@@ -245,7 +245,7 @@ class _Runner:
         self._step(config, self.batch)
         _sync(self.device)
         config.times.append(time.perf_counter() - t0)
-        _zero_grads(self.model)
+        zero_grads(self.model)
 
     def _report(self, config: Config, what: str) -> None:
         if config.na:
@@ -285,7 +285,7 @@ def _fxmem_budgets(floor: int, top: int, anchor_peaks: list[int], points: int) -
     return sorted(budgets)
 
 
-def _floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
+def floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
     """fxmem's floor for this model, read from the BudgetError an impossible budget raises."""
     try:
         fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, **options)
@@ -310,7 +310,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     batch = (
         {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else tuple(v.to(device) for v in batch)
     )
-    runner = _Runner(model, batch, opts.device, log)
+    runner = Runner(model, batch, opts.device, log)
     log(f"[{spec.name}] {size.label}")
 
     configs = _anchor_configs(spec, model, opts)
@@ -319,7 +319,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
             runner.warm_up(c)
 
     # fxmem unconstrained first: its plan names the floor, from which the sweep is chosen.
-    fx_free = _fxmem_config(model, None, None, "unconstrained")
+    fx_free = fxmem_config(model, None, None, "unconstrained")
     runner.warm_up(fx_free)
     configs.append(fx_free)
     floor = fx_free.plan_floor_bytes
@@ -335,45 +335,52 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
             elif b > floor and all(abs(b - x) > 0.02 * x for x in budgets):
                 budgets.append(b)
         for budget in sorted(budgets):
+            if opts.out_of_time():
+                fx_free.notes.append(f"time limit: fxmem not run at {budget / MiB:.1f} MiB and above")
+                break
             label = "at its floor" if budget == floor else f"budget {budget / MiB:.0f} MiB"
             if budget in fractions:
                 label = f"{fractions[budget]:.0%} of eager's peak"
-            c = _fxmem_config(model, budget, None, label)
+            c = fxmem_config(model, budget, None, label)
             runner.warm_up(c)
             if c.error and c.error.startswith("BudgetError") and c.plan_floor_bytes and budget == floor:
                 # The floor the unconstrained plan named was not reachable after all: use the one
                 # this refusal names, and say so.
                 new_floor = c.plan_floor_bytes
-                c = _fxmem_config(model, new_floor, None, "at its floor")
+                c = fxmem_config(model, new_floor, None, "at its floor")
                 c.notes.append(f"floor from the unconstrained plan ({floor / MiB:.1f} MiB) refused; retried")
                 runner.warm_up(c)
             configs.append(c)
     fired = any(c.rewrites for c in configs if c.kind == "fxmem")
-    if opts.remat_only and spec.remat_only and not fired:
+    if opts.remat_only and spec.remat_only and opts.out_of_time():
+        fx_free.notes.append("time limit: fxmem remat only (passes=()) not run")
+    elif opts.remat_only and spec.remat_only and not fired:
         result_note = "no pass fired on this model, so fxmem with passes=() would make the same plans: not run"
         fx_free.notes.append(result_note)
     elif opts.remat_only and spec.remat_only:
         # Its floor from a refusal (planned, nothing compiled), then one compiled point there.
         t0 = time.perf_counter()
-        rem_floor, why = _floor_of(model, batch, passes=())
+        rem_floor, why = floor_of(model, batch, passes=())
         if rem_floor is None:
             configs.append(Config("fxmem remat only (passes=()), at its floor", "fxmem-remat", error=why))
         else:
-            c = _fxmem_config(model, rem_floor, (), "at its floor")
+            c = fxmem_config(model, rem_floor, (), "at its floor")
             runner.warm_up(c)
             if c.first_s is not None:
                 c.notes.append(f"floor found by a refused plan in {time.perf_counter() - t0 - c.first_s:.1f} s")
             configs.append(c)
 
-    if opts.sliced and spec.sliced:
+    if opts.sliced and spec.sliced and opts.out_of_time():
+        fx_free.notes.append(f"time limit: fxmem{_FXMEM_KINDS['fxmem-sliced'][0]} not run")
+    elif opts.sliced and spec.sliced:
         # At its floor only (microbatch_blocks is opt-in), with compiler="eager": without
         # inductor's fused buffers the sliced ViT measures 28.8 MiB there, under inductor 32.8.
         t0 = time.perf_counter()
-        sliced_floor, why = _floor_of(model, batch, SLICED_PASSES, **_FXMEM_KINDS["fxmem-sliced"][1])
+        sliced_floor, why = floor_of(model, batch, SLICED_PASSES, **_FXMEM_KINDS["fxmem-sliced"][1])
         if sliced_floor is None:
             fx_free.notes.append(f"{_FXMEM_KINDS['fxmem-sliced'][0].strip()}: not run ({why})")
         else:
-            c = _fxmem_config(model, sliced_floor, SLICED_PASSES, "at its floor", kind="fxmem-sliced")
+            c = fxmem_config(model, sliced_floor, SLICED_PASSES, "at its floor", kind="fxmem-sliced")
             runner.warm_up(c)
             if c.first_s is not None:
                 c.notes.append(f"floor found by refused plans in {time.perf_counter() - t0 - c.first_s:.1f} s")
@@ -395,7 +402,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
                 runner.time_step(c)
             except Exception as e:  # noqa: BLE001
                 c.error = _first_line(e)
-                _zero_grads(model)
+                zero_grads(model)
         log(f"  round {rnd + 1}/{opts.steps} done")
     for c in configs:
         if c.fxmem_module is not None and len(c.fxmem_module.plans) > 1:
@@ -411,12 +418,12 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     result = Result(spec, size.label, configs, fxmem_floor_bytes=floor)
     del runner, configs, model, batch, live, refs
     torch._dynamo.reset()
-    _free(opts.device)
+    free_memory(opts.device)
     result.wall_s = time.perf_counter() - t_start
     return result
 
 
-def _check_grads(runner: _Runner, c: Config, refs: dict[str, dict[str, np.ndarray]], random_ops: bool) -> None:
+def _check_grads(runner: Runner, c: Config, refs: dict[str, dict[str, np.ndarray]], random_ops: bool) -> None:
     """First measured step of c; its gradients become, or are compared with, a reference.
 
     Without random ops every configuration is compared with eager. With them (dropout), each

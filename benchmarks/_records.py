@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,10 @@ class Options:
     eager_fractions: tuple[float, ...] = (0.6,)  # also fxmem at these fractions of eager's measured peak
     remat_only: bool = True  # also fxmem with passes=(): rematerialisation alone
     sliced: bool = True  # also fxmem with compiler="eager" + microbatch_blocks, at its floor
+    deadline: float | None = None  # time.perf_counter() past which no further fxmem point starts
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
 
 
 @dataclass

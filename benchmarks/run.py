@@ -60,10 +60,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="torch intra-op threads on CPU (default 1: on the 2-vCPU VM two threads were slower and far "
         "noisier; 0 keeps torch's default)",
     )
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: past it no further fxmem point or model starts (what was started is measured and "
+        "written); the report is rewritten after every model either way",
+    )
     ap.add_argument("--warm-cache", action="store_true", help="use the usual inductor cache instead of a cold one")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.time_limit is not None and not args.time_limit > 0:
+        ap.error("--time-limit must be > 0")
     size_key = "quick" if args.quick else args.device
     names = args.models.split(",") if args.models else (["gpt"] if args.quick else DEFAULT_MODELS[args.device])
     for n in names:
@@ -101,9 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     log(machine)
     t0 = time.perf_counter()
+    if args.time_limit is not None:
+        opts.deadline = t0 + args.time_limit
     os.makedirs(args.out_dir, exist_ok=True)
     results, sections = [], []
-    for name in args.names:
+    for k, name in enumerate(args.names):
+        if opts.out_of_time():
+            log(f"time limit: not run: {', '.join(args.names[k:])}")
+            sections.append(
+                f"## Not run\n\nPast the time limit ({args.time_limit:.0f} s): {', '.join(args.names[k:])}.\n"
+            )
+            break
         spec = MODELS[name]
         size_key = args.size_key if args.size_key in spec.sizes else args.device
         result = bench_model(spec, size_key, opts, log)
@@ -112,14 +129,33 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         sections.append(render_model(result, png))
         log(f"[{name}] done in {result.wall_s:.0f} s")
-    wall_s = time.perf_counter() - t0
+        if k + 1 < len(args.names):  # a run cut short keeps the models it measured
+            _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=False)
+    report = _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=True)
+    print()
+    print(report)
+    log(f"wrote {args.out_dir}/RESULTS.md, results.json and {len(results)} plot(s) in {time.perf_counter() - t0:.0f} s")
+    return 0
 
+
+def _write(
+    args: argparse.Namespace,
+    machine: str,
+    command: str,
+    opts: Options,
+    results: list,
+    sections: list[str],
+    wall_s: float,
+    done: bool,
+) -> str:
+    """RESULTS.md and results.json for the models measured so far; returns the report."""
     header = [
         f"# fxmem benchmarks, {args.device}{' (--quick)' if args.quick else ''}",
         "",
         f"Machine: {machine}.",
         "",
-        f"Command: `{command.strip()}` — wall time {wall_s / 60:.1f} min for the whole run"
+        f"Command: `{command.strip()}` — wall time {wall_s / 60:.1f} min "
+        f"{'for the whole run' if done else 'so far (the run had not finished)'}"
         f"{' (cold inductor cache)' if not args.warm_cache else ''}.",
         "",
         f"Each step is forward + backward of a training step, fp32, no optimizer. {opts.steps} timed rounds; in "
@@ -139,10 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": machine, "command": command.strip(), "wall_s": wall_s, "torch": torch.__version__}
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         f.write(to_json(results, meta))
-    print()
-    print(report)
-    log(f"wrote {args.out_dir}/RESULTS.md, results.json and {len(results)} plot(s) in {wall_s:.0f} s")
-    return 0
+    return report
 
 
 if __name__ == "__main__":
