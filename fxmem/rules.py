@@ -477,12 +477,24 @@ class RulePass:
         erase_unused([*reversed(found.nodes), *inputs], replaced=set(found.nodes))
 
 
+# operator's in-place functions (`x += y` is operator.iadd), bare and as dunder methods
+_IN_PLACE_OPERATORS = frozenset(
+    f"i{op}" for op in "add and concat floordiv lshift mod mul matmul or pow rshift sub truediv xor".split()
+)
+
+
+def _writes_in_place(name: str) -> bool:
+    """add_, relu_; iadd, __iadd__, __setitem__ — not __eq__, whose name also ends in '_'."""
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _IN_PLACE_OPERATORS or name in ("__setitem__", "__delitem__")
+    return name.endswith("_") or name in _IN_PLACE_OPERATORS
+
+
 def _pure(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__")  # add_, not __eq__
-    return not in_place and op_key(node) != "dropout" and not node.is_impure()
+    return not _writes_in_place(name) and op_key(node) != "dropout" and not node.is_impure()
 
 
 def erase_unused(nodes: Sequence[fx.Node], replaced: set[fx.Node] = frozenset()) -> None:

@@ -9,6 +9,8 @@ compare negative, `*`/`+` commute, no-op nodes are stepped over, optional ops bi
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -242,15 +244,16 @@ def test_replaced_random_ops_are_erased():
 
 def test_what_only_the_replaced_nodes_used_is_erased():
     # `mask == 0` spelled as a method call (torch 2.11's Dynamo records `__eq__`): pure, so it
-    # goes with the match that used it; an in-place method call stays.
+    # goes with the match that used it; in-place calls, however spelled, stay.
     g = fx.Graph()
     x, mask = g.placeholder("x"), g.placeholder("mask")
     eq = g.call_method("__eq__", (mask, 0))
     filled = g.call_method("masked_fill", (x, eq, 0.0))
-    bumped = g.call_method("add_", (mask, 1))
+    writes = [g.call_method(m, (mask, 1)) for m in ("add_", "__iadd__", "__imul__")]
+    writes += [g.call_function(operator.iadd, (mask, 1)), g.call_method("__setitem__", (mask, 0, 1))]
     g.output(x)
-    erase_unused([filled, bumped])
-    assert [n.target for n in g.nodes if n.op == "call_method"] == ["add_"]
+    erase_unused([filled, *writes])
+    assert [n.target for n in g.nodes if n.op in ("call_method", "call_function")] == [w.target for w in writes]
 
 
 def test_insert_call_and_call_leaf():
