@@ -26,6 +26,7 @@ import contextlib
 import copy
 import gc
 import itertools
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -40,7 +41,16 @@ from benchmarks._models import Batch, ModelSpec
 from benchmarks._records import SEED, UNCONSTRAINED_GB, Config, GiB, MiB, Options, Result
 from fxmem.pipeline import default_passes
 
-__all__ = ["Runner", "bench_model", "call_model", "floor_of", "free_memory", "fxmem_config", "zero_grads"]
+__all__ = [
+    "Runner",
+    "allow_many_compiles",
+    "bench_model",
+    "call_model",
+    "floor_of",
+    "free_memory",
+    "fxmem_config",
+    "zero_grads",
+]
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -81,7 +91,7 @@ def _max_rel_err(model: nn.Module, ref: dict[str, np.ndarray]) -> float:
         g = got[k].grad.detach().double().cpu().numpy()
         r64 = r.astype(np.float64)
         errs.append(float(np.linalg.norm(g - r64) / max(np.linalg.norm(r64), 1e-12)))
-    return max(errs)
+    return max(errs) if all(np.isfinite(errs)) else math.inf  # max() would pass over a NaN
 
 
 def _shared_copy(model: nn.Module) -> nn.Module:
@@ -94,6 +104,14 @@ def free_memory(device: str) -> None:
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+
+
+def allow_many_compiles() -> None:
+    """Every configuration compiles the same forward code object (one cache entry each, told
+    apart by backend); Dynamo's default limit of 8 would silently fall back to eager."""
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
 
 
 # -- building the configurations ------------------------------------------------------------------
@@ -313,15 +331,25 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     runner = Runner(model, batch, opts.device, log)
     log(f"[{spec.name}] {size.label}")
 
+    cut: list[str] = []  # configurations the time limit left out
+
+    def in_time(name: str) -> bool:
+        if opts.out_of_time():
+            cut.append(name)
+            return False
+        return True
+
     configs = _anchor_configs(spec, model, opts)
     for c in configs:
-        if c.na is None:
+        if c.na is None and in_time(c.name):
             runner.warm_up(c)
+    configs = [c for c in configs if c.name not in cut]
 
     # fxmem unconstrained first: its plan names the floor, from which the sweep is chosen.
     fx_free = fxmem_config(model, None, None, "unconstrained")
-    runner.warm_up(fx_free)
-    configs.append(fx_free)
+    if in_time(fx_free.name):
+        runner.warm_up(fx_free)
+        configs.append(fx_free)
     floor = fx_free.plan_floor_bytes
     if fx_free.ok and floor is not None:
         anchor_peaks = [c.peak_bytes for c in configs if c.is_anchor and c.ok]
@@ -335,12 +363,11 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
             elif b > floor and all(abs(b - x) > 0.02 * x for x in budgets):
                 budgets.append(b)
         for budget in sorted(budgets):
-            if opts.out_of_time():
-                fx_free.notes.append(f"time limit: fxmem not run at {budget / MiB:.1f} MiB and above")
-                break
             label = "at its floor" if budget == floor else f"budget {budget / MiB:.0f} MiB"
             if budget in fractions:
                 label = f"{fractions[budget]:.0%} of eager's peak"
+            if not in_time(f"fxmem, {label}"):
+                continue
             c = fxmem_config(model, budget, None, label)
             runner.warm_up(c)
             if c.error and c.error.startswith("BudgetError") and c.plan_floor_bytes and budget == floor:
@@ -352,12 +379,11 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
                 runner.warm_up(c)
             configs.append(c)
     fired = any(c.rewrites for c in configs if c.kind == "fxmem")
-    if opts.remat_only and spec.remat_only and opts.out_of_time():
-        fx_free.notes.append("time limit: fxmem remat only (passes=()) not run")
-    elif opts.remat_only and spec.remat_only and not fired:
+    remat = opts.remat_only and spec.remat_only
+    if remat and not fired and fx_free.ok:
         result_note = "no pass fired on this model, so fxmem with passes=() would make the same plans: not run"
         fx_free.notes.append(result_note)
-    elif opts.remat_only and spec.remat_only:
+    elif remat and in_time("fxmem remat only (passes=()), at its floor"):
         # Its floor from a refusal (planned, nothing compiled), then one compiled point there.
         t0 = time.perf_counter()
         rem_floor, why = floor_of(model, batch, passes=())
@@ -370,9 +396,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
                 c.notes.append(f"floor found by a refused plan in {time.perf_counter() - t0 - c.first_s:.1f} s")
             configs.append(c)
 
-    if opts.sliced and spec.sliced and opts.out_of_time():
-        fx_free.notes.append(f"time limit: fxmem{_FXMEM_KINDS['fxmem-sliced'][0]} not run")
-    elif opts.sliced and spec.sliced:
+    if opts.sliced and spec.sliced and in_time(f"fxmem{_FXMEM_KINDS['fxmem-sliced'][0]}, at its floor"):
         # At its floor only (microbatch_blocks is opt-in), with compiler="eager": without
         # inductor's fused buffers the sliced ViT measures 28.8 MiB there, under inductor 32.8.
         t0 = time.perf_counter()
@@ -389,7 +413,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     # Round-robin: gradients on round 0 (family references first), then rotating order.
     live = [c for c in configs if c.error is None and c.na is None]
     refs: dict[str, dict[str, np.ndarray]] = {}
-    for rnd in range(opts.steps):
+    for rnd in range(opts.steps if live else 0):
         order = live if rnd == 0 else live[rnd % len(live) :] + live[: rnd % len(live)]
         for c in order:
             if c.error is not None:
@@ -415,7 +439,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     # The result keeps numbers only: a model left alive would be counted in the next model's peaks.
     for c in configs:
         c.call, c.fxmem_module, c.context = None, None, contextlib.nullcontext
-    result = Result(spec, size.label, configs, fxmem_floor_bytes=floor)
+    result = Result(spec, size.label, configs, fxmem_floor_bytes=floor, cut_short=cut)
     del runner, configs, model, batch, live, refs
     torch._dynamo.reset()
     free_memory(opts.device)

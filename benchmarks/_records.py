@@ -106,6 +106,7 @@ class Result:
     configs: list[Config]
     wall_s: float = 0.0
     fxmem_floor_bytes: int | None = None  # the planner's floor, default passes
+    cut_short: list[str] = field(default_factory=list)  # configurations the time limit left out
 
     def anchors(self) -> list[Config]:
         return [c for c in self.configs if c.is_anchor and c.ok]

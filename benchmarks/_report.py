@@ -43,6 +43,9 @@ def goal_checks(result: Result) -> tuple[list[GoalCheck], tuple[int, int, Config
         fits = [a for a in anchors if a.peak_bytes <= limit]
         checks.append(GoalCheck(c, min(fits, key=lambda a: a.step_s) if fits else None))
     floor = None
+    floor_points = [c for c in result.fxmem() + result.fxmem("fxmem-sliced") if "at its floor" in c.name]
+    if result.cut_short and not floor_points:
+        return checks, None  # what was measured is not fxmem's floor
     if anchors and result.fxmem():
         lowest = min(anchors, key=lambda a: a.peak_bytes)
         fits = [c for c in result.fxmem() + result.fxmem("fxmem-sliced") if not c.over_budget]
@@ -88,6 +91,8 @@ def render_model(result: Result, png_name: str | None) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [_row(c, base) for c in configs]
+    if result.cut_short:
+        lines += ["", f"**Cut short by the time limit.** Not run: {', '.join(result.cut_short)}."]
     entry = next((c.entries[0] for c in configs if c.entries), None)
     lines += ["", f"Alive at entry (parameters, buffers, batch): {_mib(entry)} MiB."]
     if result.fxmem_floor_bytes is not None:
@@ -109,7 +114,9 @@ def render_model(result: Result, png_name: str | None) -> str:
                 f"({_mib(g.anchor.peak_bytes)} MiB, {g.anchor.step_s:.3f} s); fxmem {c.step_s:.3f} s = "
                 f"{g.ratio:.2f}x, {verdict}"
             )
-    if floor is not None:
+    if floor is None and result.cut_short:
+        lines.append("- floor: not measured (the time limit cut the run short)")
+    elif floor is not None:
         fx_floor, low, who, best = floor
         verdict = "met" if fx_floor <= low / 2 else "**not met**"
         lines.append(
@@ -162,7 +169,7 @@ def summary_table(results: list[Result]) -> str:
         checks, floor = goal_checks(r)
         comp = next((c for c in r.configs if c.kind == "compile" and c.ok), None)
         free = next((c for c in r.fxmem() if c.budget_bytes is None), None)
-        if not anchors or floor is None:
+        if not anchors or (floor is None and not r.cut_short):
             lines.append(f"| {r.spec.name} | no measurement | | | | | |")
             continue
         fast = min(anchors, key=lambda a: a.step_s)
@@ -170,10 +177,16 @@ def summary_table(results: list[Result]) -> str:
         vs = f"{free.step_s / comp.step_s:.2f}x" if free and comp else "—"
         bad = [f"{c.name} {c.grad_err:.1e}" for c in r.configs if c.grad_err is not None and c.grad_err > 1e-4]
         grads = "; ".join(bad) if bad else "all match their reference"
+        if floor is None:
+            lowest = min(anchors, key=lambda a: a.peak_bytes)
+            low, fx_floor = f"{_mib(lowest.peak_bytes)} ({lowest.name})", "not measured (time limit)"
+        else:
+            low = f"{_mib(floor[1])} ({floor[2].name})"
+            fx_floor = f"{_mib(floor[0])} ({floor[0] / floor[1]:.2f}x{_sliced_mark(floor[3])})"
+        cut = " (cut short)" if r.cut_short else ""
         lines.append(
-            f"| {r.spec.name} | {fast.name} ({_mib(fast.peak_bytes)}, {fast.step_s:.3f}) | {_mib(floor[1])} "
-            f"({floor[2].name}) | {_mib(floor[0])} ({floor[0] / floor[1]:.2f}x{_sliced_mark(floor[3])}) | {met} of {len(checks)} budgets | "
-            f"{vs} | {grads} |"
+            f"| {r.spec.name}{cut} | {fast.name} ({_mib(fast.peak_bytes)}, {fast.step_s:.3f}) | {low} | {fx_floor} | "
+            f"{met} of {len(checks)} budgets | {vs} | {grads} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -187,6 +200,7 @@ def to_json(results: list[Result], meta: dict) -> str:
                 "size": r.size_label,
                 "wall_s": r.wall_s,
                 "fxmem_floor_bytes": r.fxmem_floor_bytes,
+                "cut_short": r.cut_short,
                 "configs": [
                     {
                         "name": c.name,

@@ -20,8 +20,11 @@ benchmarks/run.py (benchmarks/_harness.py).
 
 Writes budget_check.md and budget_check.json under --out-dir (default
 benchmarks/results/budget-<device>) after every point, so a run cut short keeps what it
-measured; past --time-limit seconds no further point is started. Exit status 1 when a budget
-was exceeded, gradients differ by 1e-4 or more, or a point failed.
+measured (a point that was running when the run was stopped reads "started, did not finish";
+the report says whether the run finished); past --time-limit seconds no further point is
+started. Exit status 0 when every point was measured within its budget with gradients within
+1e-4 of eager's; 1 when a budget was exceeded, gradients differ, or a point failed; 3 when
+nothing failed but the time limit left points unmeasured.
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks._harness import Runner, call_model, floor_of, free_memory, fxmem_config, zero_grads  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    Runner,
+    allow_many_compiles,
+    call_model,
+    floor_of,
+    free_memory,
+    fxmem_config,
+    zero_grads,
+)
 from benchmarks._models import MODELS  # noqa: E402
 from benchmarks._records import Config, MiB, machine_line  # noqa: E402
 
@@ -61,7 +72,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     points = []
     for item in args.points.split(","):
-        passes, _, budget = item.partition(":")
+        passes, _, budget = (part.strip() for part in item.partition(":"))
         try:
             fraction = None if budget == "floor" else float(budget)
         except ValueError:
@@ -74,6 +85,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.points = points
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.time_limit is not None and not args.time_limit > 0:
+        ap.error("--time-limit must be > 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
     args.size = args.size or args.device
@@ -100,12 +113,16 @@ def _row(c: Config) -> dict:
     }
 
 
-def _markdown(rows: list[dict], header: list[str]) -> str:
-    def f(x: float | None, spec: str) -> str:
-        return "—" if x is None else format(x, spec)
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
 
+
+def _markdown(rows: list[dict], header: list[str], status: str) -> str:
+    f = _f
     lines = [
         *header,
+        "",
+        f"Status: {status}.",
         "",
         "| configuration | budget MiB | measured MiB | predicted MiB | pred/meas | within | grad rel err "
         "| step s | first call s |",
@@ -128,10 +145,25 @@ def _markdown(rows: list[dict], header: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+NOT_RUN = "not run: time limit"
+UNFINISHED = "started, did not finish"
+
+
 def _failed(r: dict) -> bool:
+    """The point broke the contract, or could not be measured for a reason other than time."""
+    if r["error"] in (NOT_RUN, UNFINISHED):
+        return False
     if r["error"] or r["measured_peak_mib"] is None:
         return True
-    return r["within_budget"] is False or (r["grad_rel_err"] is not None and r["grad_rel_err"] >= GRAD_TOL)
+    return r["within_budget"] is not True or not (r["grad_rel_err"] is not None and r["grad_rel_err"] < GRAD_TOL)
+
+
+def exit_status(points: list[dict]) -> int:
+    """0: every point measured and within the contract; 1: a point broke it (or failed);
+    3: none broke it, but the time limit left some unmeasured."""
+    if any(_failed(r) for r in points):
+        return 1
+    return 3 if any(r["error"] in (NOT_RUN, UNFINISHED) for r in points) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     log(header[2])
     log(header[3])
 
+    allow_many_compiles()
     torch.manual_seed(0)
     model, batch = size.build()
     model.to(args.device).train()
@@ -162,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
 
-    def write() -> None:
+    def write(finished: bool = False) -> str:
+        status = "finished" if finished else "running (a report left like this is from a run that was stopped)"
+        meta = {"machine": machine, "torch": torch.__version__, "model": size.label, "finished": finished}
         with open(os.path.join(args.out_dir, "budget_check.json"), "w") as fh:
-            json.dump({"machine": machine, "torch": torch.__version__, "model": size.label, "rows": rows}, fh, indent=1)
+            json.dump({**meta, "rows": rows}, fh, indent=1)
+        report = _markdown(rows, header, status)
         with open(os.path.join(args.out_dir, "budget_check.md"), "w") as fh:
-            fh.write(_markdown(rows, header))
+            fh.write(report)
+        return report
 
     eager = Config("eager", "eager", call=lambda b: call_model(model, b))
     runner.warm_up(eager)
@@ -178,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     write()
     if grad_ref is None:
         log(f"eager failed: {eager.error}")
+        write(finished=True)
         return 1
 
     for passes, fraction in args.points:
@@ -185,13 +223,15 @@ def main(argv: list[str] | None = None) -> int:
         name = f"fxmem{' remat only (passes=())' if passes == 'remat' else ''}, {what}"
         if args.time_limit is not None and time.perf_counter() - t0 > args.time_limit:
             log(f"time limit: {name} not started")
-            rows.append(_row(Config(name, "fxmem", error="not run: time limit")))
+            rows.append(_row(Config(name, "fxmem", error=NOT_RUN)))
             write()
             continue
+        rows.append(_row(Config(name, "fxmem", error=UNFINISHED)))  # replaced when the point ends
+        write()
         if fraction is None:
             budget, why = floor_of(model, batch, PASS_SETS[passes])
             if budget is None:
-                rows.append(_row(Config(name, "fxmem", error=f"no floor: {why}")))
+                rows[-1] = _row(Config(name, "fxmem", error=f"no floor: {why}"))
                 write()
                 continue
         else:
@@ -204,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             c.notes.append(f"the floor found first ({budget / MiB:.1f} MiB) was refused; retried")
             runner.warm_up(c)
         c.name = name
+        if c.error is None and c.predicted_peak_bytes is None:
+            c.error = "no fxmem plan was made (did Dynamo fall back to eager?)"
         if c.error is None:
             try:
                 runner.measure(c, grad_ref=grad_ref)
@@ -213,19 +255,18 @@ def main(argv: list[str] | None = None) -> int:
                 c.error = f"{type(e).__name__}: {e}"[:300]
                 zero_grads(model)
         c.call = c.fxmem_module = None
-        rows.append(_row(c))
+        rows[-1] = r = _row(c)
         write()
-        r = rows[-1]
-        if r["error"] is None:
-            log(
-                f"  {name}: measured {r['measured_peak_mib']:.1f} MiB of {r['budget_mib']:.1f}, "
-                f"predicted {r['predicted_peak_mib']:.1f}, gradients' relative error {r['grad_rel_err']:.1e}"
-            )
+        log(
+            f"  {name}: measured {_f(r['measured_peak_mib'], '.1f')} MiB of {_f(r['budget_mib'], '.1f')}, "
+            f"predicted {_f(r['predicted_peak_mib'], '.1f')}, gradients' relative error {_f(r['grad_rel_err'], '.1e')}"
+            + (f"; {r['error']}" if r["error"] else "")
+        )
         free_memory(args.device)
 
-    print(_markdown(rows, header), flush=True)
+    print(write(finished=True), flush=True)
     log(f"written to {args.out_dir}; {time.perf_counter() - t0:.0f} s")
-    return 1 if any(_failed(r) for r in rows[1:]) else 0
+    return exit_status(rows[1:])
 
 
 if __name__ == "__main__":

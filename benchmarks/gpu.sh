@@ -1,39 +1,60 @@
 #!/usr/bin/env bash
 # The GPU measurements in one command that ends within about MINUTES minutes (default 9):
-#   1. benchmarks/budget_check.py --device cuda: the GPT-2-small-shaped GPT at 80%, 60% and 50%
-#      of eager's measured peak (torch.cuda.max_memory_allocated against each budget);
+#   1. benchmarks/budget_check.py --device cuda: the GPT-2-small-shaped GPT held by the planner
+#      alone (passes=()) to 80%, 60% and 50% of eager's measured peak, then with the default
+#      passes at its floor (torch.cuda.max_memory_allocated against each budget);
 #   2. benchmarks/run.py --device cuda on MODELS (default: gpt), with the time that is left.
-# Each writes its report after every budget or model, so a run cut short keeps what it measured.
+# The budget check rewrites its report after every point; run.py after every model, and when it
+# is stopped.
 #
 #     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS]
 #
-# OUT_DIR defaults to $OUT, else benchmarks/results. Needs torch with CUDA, and fxmem's
-# dependencies, importable by python3.
+# OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
+# networkx, scipy and safetensors; fxmem itself is installed into a temporary folder when
+# python3 cannot import it. Exit status: 0 when both scripts succeeded; else the budget check's
+# (1: a budget or gradient check failed; 3: the time limit left points unmeasured), else
+# run.py's; 5 when one of them had to be killed at its time limit.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 out=${1:-${OUT:-benchmarks/results}}
+case "$out" in /*) ;; *) out=$PWD/$out ;; esac
 minutes=${2:-9}
 models=${3:-gpt}
+case "$minutes" in '' | *[!0-9]*) echo "MINUTES must be a whole number, got '$minutes'" >&2; exit 2 ;; esac
+cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
 start=$(date +%s)
 left() { echo $((minutes * 60 - ($(date +%s) - start))); }
 
-python3 -c "import torch, fxmem; print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+# `fxmem.passes` lives in passes/ and is mapped there by the install (pyproject.toml).
+if ! python3 -c "import fxmem.passes" 2>/dev/null; then
+    site=$(mktemp -d)
+    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" . || exit 1
+    export PYTHONPATH=$site:$PYTHONPATH
+fi
+python3 -c "
+import torch, numpy, fxmem.passes, benchmarks._harness
+print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
-# The budget check takes at most 45% of the time; it starts no budget past 35%.
-timeout $((minutes * 27)) python3 benchmarks/budget_check.py --device cuda \
+killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
+
+# The budget check takes at most 45% of the time; it starts no point past 35%.
+timeout -k 20 $((minutes * 27)) python3 benchmarks/budget_check.py --device cuda \
     --time-limit $((minutes * 21)) --out-dir "$out/budget-cuda" 2>&1 | tee "$out/budget-cuda.log"
 check=${PIPESTATUS[0]}
 
-# The benchmark stops starting configurations 90 s before the end, to leave time for its steps.
+# The benchmark starts no configuration in its last 150 s, which leave time for its steps.
+bench=0
 remaining=$(left)
-if [ "$remaining" -gt 150 ]; then
-    timeout $((remaining - 20)) python3 benchmarks/run.py --device cuda --models "$models" \
-        --time-limit $((remaining - 110)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
+if [ "$remaining" -gt 200 ]; then
+    timeout -k 20 $((remaining - 30)) python3 benchmarks/run.py --device cuda --models "$models" \
+        --time-limit $((remaining - 180)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
+    bench=${PIPESTATUS[0]}
 else
     echo "benchmark not run: ${remaining} s left"
 fi
-echo "budget check exit status ${check}; $(($(date +%s) - start)) s in all"
-exit "$check"
+echo "budget check exit status ${check}, benchmark ${bench}; $(($(date +%s) - start)) s in all"
+if killed "$check" || killed "$bench"; then exit 5; fi
+[ "$check" -ne 0 ] && exit "$check"
+exit "$bench"

@@ -20,6 +20,7 @@ import argparse
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks._harness import bench_model  # noqa: E402
+from benchmarks._harness import allow_many_compiles, bench_model  # noqa: E402
 from benchmarks._models import DEFAULT_MODELS, MODELS  # noqa: E402
 from benchmarks._records import Options, machine_line  # noqa: E402
 from benchmarks._report import plot_pareto, render_model, summary_table, to_json  # noqa: E402
@@ -94,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.device == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
-    # Every configuration compiles the same forward code object (one cache entry each, told
-    # apart by backend); Dynamo's default limit of 8 would silently fall back to eager.
-    for knob in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
+    allow_many_compiles()
     opts = Options(device=args.device, steps=args.steps)
     if args.quick:
         opts.amb_values, opts.fxmem_points, opts.remat_only, opts.sliced = (0.5,), 1, False, False
@@ -114,28 +111,42 @@ def main(argv: list[str] | None = None) -> int:
         opts.deadline = t0 + args.time_limit
     os.makedirs(args.out_dir, exist_ok=True)
     results, sections = [], []
-    for k, name in enumerate(args.names):
-        if opts.out_of_time():
-            log(f"time limit: not run: {', '.join(args.names[k:])}")
-            sections.append(
-                f"## Not run\n\nPast the time limit ({args.time_limit:.0f} s): {', '.join(args.names[k:])}.\n"
-            )
-            break
-        spec = MODELS[name]
-        size_key = args.size_key if args.size_key in spec.sizes else args.device
-        result = bench_model(spec, size_key, opts, log)
-        png = f"pareto-{name}.png"
-        plot_pareto(result, os.path.join(args.out_dir, png), f" ({args.device}, torch {torch.__version__})")
-        results.append(result)
-        sections.append(render_model(result, png))
-        log(f"[{name}] done in {result.wall_s:.0f} s")
-        if k + 1 < len(args.names):  # a run cut short keeps the models it measured
-            _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=False)
-    report = _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=True)
+    # A run stopped from outside (timeout sends SIGTERM) still writes the models it finished.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    done = False
+    try:
+        for k, name in enumerate(args.names):
+            if opts.out_of_time():
+                log(f"time limit: not run: {', '.join(args.names[k:])}")
+                sections.append(
+                    f"## Not run\n\nPast the time limit ({args.time_limit:.0f} s): {', '.join(args.names[k:])}.\n"
+                )
+                break
+            spec = MODELS[name]
+            size_key = args.size_key if args.size_key in spec.sizes else args.device
+            result = bench_model(spec, size_key, opts, log)
+            results.append(result)
+            png = f"pareto-{name}.png"
+            try:
+                plot_pareto(result, os.path.join(args.out_dir, png), f" ({args.device}, torch {torch.__version__})")
+            except Exception as e:  # noqa: BLE001 - a missing plot loses no measurement
+                log(f"[{name}] no plot: {type(e).__name__}: {e}")
+                png = None
+            sections.append(render_model(result, png))
+            log(f"[{name}] done in {result.wall_s:.0f} s")
+            if k + 1 < len(args.names):
+                _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=False)
+        done = True
+    finally:
+        report = _write(args, machine, command, opts, results, sections, time.perf_counter() - t0, done=done)
     print()
     print(report)
     log(f"wrote {args.out_dir}/RESULTS.md, results.json and {len(results)} plot(s) in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _write(
