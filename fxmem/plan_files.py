@@ -42,6 +42,7 @@ _COLOURS = {
     "inputs and buffers": "#9db7d5",
     "existing gradients": "#8e7cc3",
     "other live tensors": "#c7c7c7",
+    "CUDA allocations outside tensors": "#a7a7a7",
     "earlier regions' activations": "#93c47d",
     "optimizer state": "#3d5a80",
     "gradients": "#b4a7d6",

@@ -214,3 +214,24 @@ def test_graph_break_regions_share_one_ledger():
         assert torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6), n
         p.grad = None
     assert fxmem.measure(lambda: compiled(x).backward()).peak_bytes <= budget
+
+
+def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode():
+    # On CUDA the backend runs them while Dynamo compiles, so that cuBLAS's workspaces exist
+    # before the allocator's bytes outside tensors are counted; here, the same calls on CPU.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxmem.backend import _static_bytes, run_small_matmuls
+
+    ran = []
+
+    def backend(gm, example_inputs):
+        run_small_matmuls(torch.device("cpu"))
+        ran.append(_static_bytes(example_inputs, torch.device("cpu")))
+        return gm.forward
+
+    x = torch.randn(4, 4)
+    assert torch.equal(torch.compile(lambda t: (t @ t).relu(), backend=backend)(x), (x @ x).relu())
+    assert ran and "CUDA allocations outside tensors" not in ran[0]  # counted on CUDA only
+    with FakeTensorMode():
+        run_small_matmuls(torch.device("cpu"))
