@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements in one command that ends within about MINUTES minutes (default 9):
+#   0. tests/test_cuda.py: a small GPT held to small budgets, where cuBLAS's workspaces matter;
 #   1. benchmarks/budget_check.py --device cuda: the GPT-2-small-shaped GPT held by the planner
 #      alone (passes=()) to 80%, 60% and 50% of eager's measured peak, then with the default
 #      passes at its floor (torch.cuda.max_memory_allocated against each budget);
@@ -10,10 +11,10 @@
 #     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS]
 #
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
-# networkx, scipy and safetensors; fxmem itself is installed into a temporary folder when
-# python3 cannot import it. Exit status: 0 when both scripts succeeded; else the budget check's
-# (1: a budget or gradient check failed; 3: the time limit left points unmeasured), else
-# run.py's; 5 when one of them had to be killed at its time limit.
+# networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
+# when python3 cannot import it. Exit status: 0 when all three succeeded; else the tests' (1:
+# a test failed), else the budget check's (1: a budget or gradient check failed; 3: the time
+# limit left points unmeasured), else run.py's; 5 when one had to be killed at its time limit.
 set -uo pipefail
 out=${1:-${OUT:-benchmarks/results}}
 case "$out" in /*) ;; *) out=$PWD/$out ;; esac
@@ -39,22 +40,28 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 
-# The budget check takes at most 45% of the time; it starts no point past 35%.
-timeout -k 20 $((minutes * 27)) python3 benchmarks/budget_check.py --device cuda \
-    --time-limit $((minutes * 21)) --out-dir "$out/budget-cuda" 2>&1 | tee "$out/budget-cuda.log"
+# The tests take at most a quarter of the time.
+timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+    2>&1 | tee "$out/test-cuda.log"
+tests=${PIPESTATUS[0]}
+
+# The budget check ends by 65% of the time; it starts no point past 50%.
+timeout -k 20 $(($(left) - minutes * 21)) python3 benchmarks/budget_check.py --device cuda \
+    --time-limit $(($(left) - minutes * 30)) --out-dir "$out/budget-cuda" 2>&1 | tee "$out/budget-cuda.log"
 check=${PIPESTATUS[0]}
 
-# The benchmark starts no configuration in its last 150 s, which leave time for its steps.
+# The benchmark starts no configuration in its last 100 s, which leave time for its steps.
 bench=0
 remaining=$(left)
-if [ "$remaining" -gt 200 ]; then
-    timeout -k 20 $((remaining - 30)) python3 benchmarks/run.py --device cuda --models "$models" \
-        --time-limit $((remaining - 180)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
+if [ "$remaining" -gt 120 ]; then
+    timeout -k 10 $((remaining - 15)) python3 benchmarks/run.py --device cuda --models "$models" \
+        --time-limit $((remaining - 100)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
     bench=${PIPESTATUS[0]}
 else
     echo "benchmark not run: ${remaining} s left"
 fi
-echo "budget check exit status ${check}, benchmark ${bench}; $(($(date +%s) - start)) s in all"
-if killed "$check" || killed "$bench"; then exit 5; fi
+echo "exit statuses: tests ${tests}, budget check ${check}, benchmark ${bench}; $(($(date +%s) - start)) s in all"
+if killed "$tests" || killed "$check" || killed "$bench"; then exit 5; fi
+[ "$tests" -ne 0 ] && exit "$tests"
 [ "$check" -ne 0 ] && exit "$check"
 exit "$bench"
