@@ -41,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 
 # The tests take at most a quarter of the time.
-timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider --durations=0 tests/test_cuda.py \
     2>&1 | tee "$out/test-cuda.log"
 tests=${PIPESTATUS[0]}
 

@@ -25,6 +25,7 @@ __all__ = [
     "FakeTensor",
     "aot_autograd",
     "boxed_graph_function",
+    "compiled_autograd_enabled",
     "extract_fwd_bwd",
     "fake_rerun",
     "foreach_default_devices",
@@ -64,6 +65,13 @@ def is_module_buffer(placeholder: torch.fx.Node) -> bool:
     name = getattr(source, "name", "")
     name = name() if callable(name) else name
     return "._buffers[" in str(name)
+
+
+def compiled_autograd_enabled() -> bool:
+    """Whether backward passes are being compiled (torch._dynamo.compiled_autograd)."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(getattr(compiled_autograd, "compiled_autograd_enabled", False))
 
 
 def real_tensors() -> Any:

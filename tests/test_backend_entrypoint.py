@@ -221,17 +221,31 @@ def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode(
     # before the allocator's bytes outside tensors are counted; here, the same calls on CPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxmem.backend import _static_bytes, run_small_matmuls
+    from fxmem.backend import OUTSIDE_TENSORS, _static_bytes, run_small_matmuls
 
     ran = []
 
     def backend(gm, example_inputs):
-        run_small_matmuls(torch.device("cpu"))
+        ran.append(run_small_matmuls(torch.device("cpu")))
         ran.append(_static_bytes(example_inputs, torch.device("cpu")))
         return gm.forward
 
     x = torch.randn(4, 4)
     assert torch.equal(torch.compile(lambda t: (t @ t).relu(), backend=backend)(x), (x @ x).relu())
-    assert ran and "CUDA allocations outside tensors" not in ran[0]  # counted on CUDA only
+    assert ran[0] is True and OUTSIDE_TENSORS not in ran[1]  # counted on CUDA only
     with FakeTensorMode():
-        run_small_matmuls(torch.device("cpu"))
+        assert run_small_matmuls(torch.device("cpu")) is True
+
+
+def test_small_matmuls_leave_the_callers_autograd_state_alone():
+    from fxmem.backend import run_small_matmuls
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        assert run_small_matmuls(torch.device("cpu")) is True
+    assert packed == []  # an offloading or checkpointing hook sees nothing of them
+    with torch.inference_mode():
+        assert run_small_matmuls(torch.device("cpu")) is False  # no backward there, no error
+    with torch.no_grad():
+        assert run_small_matmuls(torch.device("cpu")) is True
+    assert torch.is_grad_enabled()
