@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {machine}.",
         f"Model: GPT, {size.label}. Command: python benchmarks/budget_check.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
+        "",
+        "MiB = 2**20 bytes; peaks measured by fxmem.measure (one step inside it, after one step that "
+        "compiles); step s: median of the timed steps; first call: planning, compilation (inductor's cache "
+        "as found, not cleared: see benchmarks/run.py for cold-cache compile times) and one step.",
     ]
     log(header[2])
     log(header[3])
