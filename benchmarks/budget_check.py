@@ -35,7 +35,9 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root, for `benchmarks`; after the installed packages, so that an installed
+# fxmem (with fxmem.passes, which only the install maps) is the one imported.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 

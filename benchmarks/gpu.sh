@@ -22,27 +22,31 @@ minutes=${2:-9}
 models=${3:-gpt}
 case "$minutes" in '' | *[!0-9]*) echo "MINUTES must be a whole number, got '$minutes'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+root=$PWD
+export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 start=$(date +%s)
 left() { echo $((minutes * 60 - ($(date +%s) - start))); }
 
-# `fxmem.passes` lives in passes/ and is mapped there by the install (pyproject.toml).
-if ! python3 -c "import fxmem.passes" 2>/dev/null; then
+# `fxmem.passes` lives in passes/ and only the install maps it there (pyproject.toml): a plain
+# checkout on sys.path does not provide it. So fxmem is imported as installed, and Python runs
+# outside the checkout's root (python3 -c and -m put the working folder first on sys.path).
+if ! (cd /tmp && python3 -c "import fxmem.passes") 2>/dev/null; then
     site=$(mktemp -d)
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" . || exit 1
-    export PYTHONPATH=$site:$PYTHONPATH
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -c "
+(cd /tmp && python3 -c "
+import sys; sys.path.append('$root')
 import torch, numpy, fxmem.passes, benchmarks._harness
-print('torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+print('torch', torch.__version__, torch.cuda.get_device_name(0))") || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
 killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 
 # The tests take at most a quarter of the time.
-timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider --durations=0 tests/test_cuda.py \
-    2>&1 | tee "$out/test-cuda.log"
+(cd tests && timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
+    test_cuda.py) 2>&1 | tee "$out/test-cuda.log"
 tests=${PIPESTATUS[0]}
 
 # The budget check ends by 65% of the time; it starts no point past 50%.

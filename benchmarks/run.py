@@ -31,7 +31,9 @@ if "--warm-cache" not in sys.argv and "TORCHINDUCTOR_CACHE_DIR" not in os.enviro
     _CACHE_DIR = tempfile.mkdtemp(prefix="fxmem-bench-inductor-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _CACHE_DIR
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository root, for `benchmarks`; after the installed packages, so that an installed
+# fxmem (with fxmem.passes, which only the install maps) is the one imported.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 

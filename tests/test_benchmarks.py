@@ -25,7 +25,7 @@ from benchmarks._report import render_model, summary_table  # noqa: E402
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)}
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
         cwd=ROOT,

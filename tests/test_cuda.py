@@ -69,9 +69,11 @@ def test_budget_holds_on_cuda(passes, where):
     assert max_rel_err(grads_of(model), ref) < 1e-4
 
 
-def test_the_plan_counts_cublas_workspaces_before_any_step():
-    # A fresh interpreter: no matmul has run on the device before fxmem plans.
+def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
+    # A fresh interpreter: no matmul has run on the device before fxmem plans. It runs in
+    # tmp_path, so that the checkout's fxmem/ (without fxmem.passes) shadows no installed one.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
     code = textwrap.dedent(
         """
         import json, torch, fxmem
@@ -100,7 +102,8 @@ def test_the_plan_counts_cublas_workspaces_before_any_step():
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": root},
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
