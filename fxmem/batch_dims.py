@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxmem.rules import example_value
+from fxmem.ops import example_value, writes_in_place
 
 __all__ = ["UNKNOWN", "BatchDims", "Label", "batch_size"]
 
@@ -114,8 +114,8 @@ class BatchDims:
         out = _shape(node)
         if t is operator.getitem:
             return self._getitem(node)
-        if isinstance(t, str) and t.endswith("_") and not t.startswith("_"):
-            return UNKNOWN  # in place
+        if writes_in_place(t if isinstance(t, str) else getattr(t, "__name__", "")):
+            return UNKNOWN
         if t in (F.dropout, "dropout"):
             p = kw.get("p", args[1] if len(args) > 1 else 0.5)
             training = kw.get("training", args[2] if len(args) > 2 else True)

@@ -6,7 +6,7 @@ output against a node of the captured torch-level graph, so the spellings Dynamo
 and the spellings a model author writes meet in the middle:
 
 - one op, several spellings: `a @ b`, `torch.matmul(a, b)` and `a.matmul(b)` are one op;
-  `x.softmax(-1)` and `F.softmax(x, dim=-1)` too (`_OP_ALIASES`);
+  `x.softmax(-1)` and `F.softmax(x, dim=-1)` too (fxmem.ops);
 - arguments are compared by parameter name with defaults filled in, so
   `F.dropout(x, 0.1, True)` meets `F.dropout(x, p=0.1, training=True)`;
 - dimensions are compared negative (`transpose(2, 3)` of a 4-D tensor is `transpose(-2, -1)`):
@@ -28,27 +28,29 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from fxmem.constants import capture_inputs
+from fxmem.ops import COMMUTATIVE, canonical_args, example_value, is_identity, op_key, writes_in_place
 
-__all__ = ["Match", "Refusal", "Rule", "RulePass", "call_leaf", "example_value", "insert_call", "propagate_meta"]
+__all__ = [
+    "Match",
+    "Refusal",
+    "Rule",
+    "RulePass",
+    "call_leaf",
+    "erase_unused",
+    "insert_call",
+    "match",
+    "propagate_meta",
+]
 
 log = logging.getLogger("fxmem.rules")
-
-
-def example_value(node: Any) -> Any:
-    """The fake tensor (or value) Dynamo recorded for `node`; literals are their own value."""
-    if isinstance(node, fx.Node):
-        return node.meta.get("example_value", node.meta.get("val"))
-    return node
 
 
 class Refusal:
@@ -120,128 +122,6 @@ class Rule:
         return sum(n.op in ("call_function", "call_method") for n in self.graph.nodes)
 
 
-# --- canonical ops ------------------------------------------------------------------------
-
-_OP_ALIASES: dict[Any, str] = {
-    operator.matmul: "matmul",
-    torch.matmul: "matmul",
-    operator.mul: "mul",
-    torch.mul: "mul",
-    operator.truediv: "div",
-    torch.div: "div",
-    operator.add: "add",
-    torch.add: "add",
-    F.softmax: "softmax",
-    torch.softmax: "softmax",
-    F.dropout: "dropout",
-    torch.where: "where",
-    torch.transpose: "transpose",
-    torch.masked_fill: "masked_fill",
-    F.linear: "linear",
-    torch._C._nn.linear: "linear",
-    F.cross_entropy: "cross_entropy",
-}
-_COMMUTATIVE = {"mul", "add"}
-_METHOD_SIGNATURES = {  # Tensor methods, by the parameter names of their functional forms
-    "transpose": ("dim0", "dim1"),
-    "softmax": ("dim", "dtype"),
-    "matmul": ("other",),
-    "mul": ("other",),
-    "div": ("other",),
-    "add": ("other",),
-    "masked_fill": ("mask", "value"),
-    "split": ("split_size", "dim"),
-}
-_FUNCTION_SIGNATURES = {  # for builtins without a Python signature
-    "matmul": ("input", "other"),
-    "mul": ("input", "other"),
-    "div": ("input", "other"),
-    "add": ("input", "other"),
-    "where": ("condition", "input", "other"),
-    "transpose": ("input", "dim0", "dim1"),
-    "masked_fill": ("input", "mask", "value"),
-    "linear": ("input", "weight", "bias"),
-    "scaled_dot_product_attention": (
-        "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
-    ),
-}  # fmt: skip
-_DEFAULTS = {
-    "linear": {"bias": None},
-    "softmax": {"dtype": None},
-    "scaled_dot_product_attention": {
-        "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False
-    },
-}  # fmt: skip
-_DIM_ARGS = {"transpose": ("dim0", "dim1"), "softmax": ("dim",)}
-
-
-def op_key(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return node.target if isinstance(node.target, str) else None
-    if node.op == "call_function":
-        return _OP_ALIASES.get(node.target, getattr(node.target, "__name__", None))
-    return None
-
-
-def canonical_args(node: fx.Node) -> dict[str, Any]:
-    """Arguments by parameter name (the first operand as "input"), defaults filled in."""
-    key = op_key(node)
-    args = node.args
-    if key in ("view", "reshape", "expand") and len(args) == 2 and isinstance(args[1], (tuple, list)):
-        args = (args[0], *args[1])  # x.view((a, b)) is x.view(a, b)
-    if node.op == "call_method":
-        names = ("input", *_METHOD_SIGNATURES.get(key, ()))
-    elif key in _FUNCTION_SIGNATURES:
-        names = _FUNCTION_SIGNATURES[key]
-    else:
-        names = None
-    if names is not None:
-        if len(args) > len(names):
-            names = (*names, *(f"arg{i}" for i in range(len(names), len(args))))
-        bound = dict(_DEFAULTS.get(key, {}))
-        bound.update(zip(names, args, strict=False))
-        bound.update(node.kwargs)
-    else:
-        try:
-            sig = inspect.signature(node.target)
-            ba = sig.bind(*node.args, **node.kwargs)
-            ba.apply_defaults()
-            bound = dict(ba.arguments)
-        except (TypeError, ValueError):
-            bound = {f"arg{i}": a for i, a in enumerate(node.args)} | dict(node.kwargs)
-    if key in _DIM_ARGS:
-        ndim = getattr(example_value(bound.get("input")), "ndim", None)
-        for name in _DIM_ARGS[key]:
-            d = bound.get(name)
-            if isinstance(d, int) and ndim is not None and d >= 0:
-                bound[name] = d - ndim
-    if key == "transpose" and isinstance(bound.get("dim0"), int) and isinstance(bound.get("dim1"), int):
-        bound["dim0"], bound["dim1"] = sorted((bound["dim0"], bound["dim1"]))
-    if key == "dropout":
-        bound.pop("inplace", None)
-    bound.pop("_stacklevel", None)
-    return bound
-
-
-def _is_identity(node: fx.Node) -> bool:
-    """A target node that returns its input's value unchanged."""
-    key = op_key(node)
-    if key == "contiguous":
-        return True
-    if key == "dropout":
-        a = canonical_args(node)
-        return a.get("p") == 0 or a.get("training") is False
-    if key in ("to", "float", "type"):
-        src, out = example_value(node.args[0]), example_value(node)
-        return (
-            isinstance(src, torch.Tensor)
-            and isinstance(out, torch.Tensor)
-            and src.dtype == out.dtype
-            and src.device == out.device
-        )
-    return False
-
-
 def _same_literal(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, (int, float)):
         return a == b or (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6)
@@ -282,7 +162,7 @@ class _Matcher:
         if p.op == "get_attr" or not isinstance(t, fx.Node):
             return False
         pkey = op_key(p)
-        while op_key(t) != pkey and _is_identity(t):
+        while op_key(t) != pkey and is_identity(t):
             self.covered[t] = None
             t = t.args[0]
         if op_key(t) != pkey:
@@ -295,7 +175,7 @@ class _Matcher:
             return False
         snapshot = (dict(self.bindings), dict(self.covered))
         candidates = [ta]
-        if pkey in _COMMUTATIVE:
+        if pkey in COMMUTATIVE:
             candidates.append(dict(ta, input=ta["other"], other=ta["input"]))
         for args in candidates:
             self.bindings, self.covered = dict(snapshot[0]), dict(snapshot[1])
@@ -331,7 +211,7 @@ def match(rule: Rule, node: fx.Node) -> Match | Refusal | None:
     escaped: dict[str, list[fx.Node]] = {}
     for leak in _escapes(covered, node):
         source = leak
-        while source not in matched and source in m.covered and _is_identity(source):
+        while source not in matched and source in m.covered and is_identity(source):
             source = source.args[0]  # an identity the match skipped carries its input's value
         if source not in allowed:
             return Refusal(f"{leak.name} is also used outside the matched {rule.name}")
@@ -477,24 +357,11 @@ class RulePass:
         erase_unused([*reversed(found.nodes), *inputs], replaced=set(found.nodes))
 
 
-# operator's in-place functions (`x += y` is operator.iadd), bare and as dunder methods
-_IN_PLACE_OPERATORS = frozenset(
-    f"i{op}" for op in "add and concat floordiv lshift mod mul matmul or pow rshift sub truediv xor".split()
-)
-
-
-def _writes_in_place(name: str) -> bool:
-    """add_, relu_; iadd, __iadd__, __setitem__ — not __eq__, whose name also ends in '_'."""
-    if name.startswith("__") and name.endswith("__"):
-        return name[2:-2] in _IN_PLACE_OPERATORS or name in ("__setitem__", "__delitem__")
-    return name.endswith("_") or name in _IN_PLACE_OPERATORS
-
-
 def _pure(node: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return not _writes_in_place(name) and op_key(node) != "dropout" and not node.is_impure()
+    return not writes_in_place(name) and op_key(node) != "dropout" and not node.is_impure()
 
 
 def erase_unused(nodes: Sequence[fx.Node], replaced: set[fx.Node] = frozenset()) -> None:

@@ -36,13 +36,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxmem.rules import Refusal, example_value, op_key
+from fxmem.ops import example_value, op_key
+from fxmem.rules import Refusal
 
 __all__ = ["bf16_regions"]
 
 log = logging.getLogger("fxmem.passes")
 
-# Ops autocast runs in the lower precision, by the canonical names of fxmem.rules.
+# Ops autocast runs in the lower precision, by the canonical names of fxmem.ops.
 _LOWERED = {
     "linear",
     "matmul",

@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxmem.rules import Refusal, example_value, insert_call, op_key
+from fxmem.ops import example_value, op_key
+from fxmem.rules import Refusal, insert_call
 
 __all__ = ["fuse_projections"]
 

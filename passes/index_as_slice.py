@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxmem.rules import Refusal, example_value, propagate_meta
+from fxmem.ops import example_value
+from fxmem.rules import Refusal, propagate_meta
 
 __all__ = ["as_slice", "index_as_slice"]
 

@@ -42,7 +42,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem import constants
-from fxmem.rules import Match, Refusal, Rule, RulePass, example_value, op_key
+from fxmem.ops import example_value, op_key
+from fxmem.rules import Match, Refusal, Rule, RulePass
 
 __all__ = ["swap_sdpa"]
 

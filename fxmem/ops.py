@@ -1,0 +1,160 @@
+"""Graph nodes by what they compute: one name per op however it is spelled, arguments by
+parameter name, and which calls write in place.
+
+Dynamo records `a @ b`, `torch.matmul(a, b)` and `a.matmul(b)` differently; `op_key` names
+them all "matmul", and `canonical_args` binds each call's arguments to parameter names with
+defaults filled in and dimensions made negative. The rule matcher (fxmem.rules) and the
+passes compare nodes through these.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["COMMUTATIVE", "canonical_args", "example_value", "is_identity", "op_key", "writes_in_place"]
+
+
+def example_value(node: Any) -> Any:
+    """The fake tensor (or value) Dynamo recorded for `node`; literals are their own value."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+_OP_ALIASES: dict[Any, str] = {
+    operator.matmul: "matmul",
+    torch.matmul: "matmul",
+    operator.mul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    torch.div: "div",
+    operator.add: "add",
+    torch.add: "add",
+    F.softmax: "softmax",
+    torch.softmax: "softmax",
+    F.dropout: "dropout",
+    torch.where: "where",
+    torch.transpose: "transpose",
+    torch.masked_fill: "masked_fill",
+    F.linear: "linear",
+    torch._C._nn.linear: "linear",
+    F.cross_entropy: "cross_entropy",
+}
+COMMUTATIVE = {"mul", "add"}
+_METHOD_SIGNATURES = {  # Tensor methods, by the parameter names of their functional forms
+    "transpose": ("dim0", "dim1"),
+    "softmax": ("dim", "dtype"),
+    "matmul": ("other",),
+    "mul": ("other",),
+    "div": ("other",),
+    "add": ("other",),
+    "masked_fill": ("mask", "value"),
+    "split": ("split_size", "dim"),
+}
+_FUNCTION_SIGNATURES = {  # for builtins without a Python signature
+    "matmul": ("input", "other"),
+    "mul": ("input", "other"),
+    "div": ("input", "other"),
+    "add": ("input", "other"),
+    "where": ("condition", "input", "other"),
+    "transpose": ("input", "dim0", "dim1"),
+    "masked_fill": ("input", "mask", "value"),
+    "linear": ("input", "weight", "bias"),
+    "scaled_dot_product_attention": (
+        "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
+    ),
+}  # fmt: skip
+_DEFAULTS = {
+    "linear": {"bias": None},
+    "softmax": {"dtype": None},
+    "scaled_dot_product_attention": {
+        "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False
+    },
+}  # fmt: skip
+_DIM_ARGS = {"transpose": ("dim0", "dim1"), "softmax": ("dim",)}
+
+
+def op_key(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target if isinstance(node.target, str) else None
+    if node.op == "call_function":
+        return _OP_ALIASES.get(node.target, getattr(node.target, "__name__", None))
+    return None
+
+
+def canonical_args(node: fx.Node) -> dict[str, Any]:
+    """Arguments by parameter name (the first operand as "input"), defaults filled in."""
+    key = op_key(node)
+    args = node.args
+    if key in ("view", "reshape", "expand") and len(args) == 2 and isinstance(args[1], (tuple, list)):
+        args = (args[0], *args[1])  # x.view((a, b)) is x.view(a, b)
+    if node.op == "call_method":
+        names = ("input", *_METHOD_SIGNATURES.get(key, ()))
+    elif key in _FUNCTION_SIGNATURES:
+        names = _FUNCTION_SIGNATURES[key]
+    else:
+        names = None
+    if names is not None:
+        if len(args) > len(names):
+            names = (*names, *(f"arg{i}" for i in range(len(names), len(args))))
+        bound = dict(_DEFAULTS.get(key, {}))
+        bound.update(zip(names, args, strict=False))
+        bound.update(node.kwargs)
+    else:
+        try:
+            sig = inspect.signature(node.target)
+            ba = sig.bind(*node.args, **node.kwargs)
+            ba.apply_defaults()
+            bound = dict(ba.arguments)
+        except (TypeError, ValueError):
+            bound = {f"arg{i}": a for i, a in enumerate(node.args)} | dict(node.kwargs)
+    if key in _DIM_ARGS:
+        ndim = getattr(example_value(bound.get("input")), "ndim", None)
+        for name in _DIM_ARGS[key]:
+            d = bound.get(name)
+            if isinstance(d, int) and ndim is not None and d >= 0:
+                bound[name] = d - ndim
+    if key == "transpose" and isinstance(bound.get("dim0"), int) and isinstance(bound.get("dim1"), int):
+        bound["dim0"], bound["dim1"] = sorted((bound["dim0"], bound["dim1"]))
+    if key == "dropout":
+        bound.pop("inplace", None)
+    bound.pop("_stacklevel", None)
+    return bound
+
+
+def is_identity(node: fx.Node) -> bool:
+    """A target node that returns its input's value unchanged."""
+    key = op_key(node)
+    if key == "contiguous":
+        return True
+    if key == "dropout":
+        a = canonical_args(node)
+        return a.get("p") == 0 or a.get("training") is False
+    if key in ("to", "float", "type"):
+        src, out = example_value(node.args[0]), example_value(node)
+        return (
+            isinstance(src, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+            and src.dtype == out.dtype
+            and src.device == out.device
+        )
+    return False
+
+
+# operator's in-place functions (`x += y` is operator.iadd), bare and as dunder methods
+_IN_PLACE_OPERATORS = frozenset(
+    f"i{op}" for op in "add and concat floordiv lshift mod mul matmul or pow rshift sub truediv xor".split()
+)
+
+
+def writes_in_place(name: str) -> bool:
+    """add_, relu_; iadd, __iadd__, __setitem__ — not __eq__, whose name also ends in '_'."""
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _IN_PLACE_OPERATORS or name in ("__setitem__", "__delitem__")
+    return name.endswith("_") or name in _IN_PLACE_OPERATORS
