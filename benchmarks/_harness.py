@@ -49,6 +49,7 @@ __all__ = [
     "floor_of",
     "free_memory",
     "fxmem_config",
+    "warm_up_at_floor",
     "zero_grads",
 ]
 
@@ -303,6 +304,19 @@ def _fxmem_budgets(floor: int, top: int, anchor_peaks: list[int], points: int) -
     return sorted(budgets)
 
 
+def warm_up_at_floor(runner: Runner, model: nn.Module, floor: int, passes: tuple[str, ...] | None) -> Config:
+    """fxmem at a floor found earlier, warmed up. Bytes kept alive since then (another planned
+    module's) count too, so that budget can be refused: then at the floor the refusal names,
+    with a note saying so."""
+    c = fxmem_config(model, floor, passes, "at its floor")
+    runner.warm_up(c)
+    if c.error and c.error.startswith("BudgetError") and c.plan_floor_bytes:
+        c = fxmem_config(model, c.plan_floor_bytes, passes, "at its floor")
+        c.notes.append(f"the floor found first ({floor / MiB:.1f} MiB) was refused; retried")
+        runner.warm_up(c)
+    return c
+
+
 def floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
     """fxmem's floor for this model, read from the BudgetError an impossible budget raises."""
     try:
@@ -355,15 +369,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
         fx_points.append(fx_free)
     floor = fx_free.plan_floor_bytes
     if fx_free.ok and floor is not None and in_time("fxmem, at its floor"):
-        c = fxmem_config(model, floor, None, "at its floor")
-        runner.warm_up(c)
-        if c.error and c.error.startswith("BudgetError") and c.plan_floor_bytes:
-            # The floor the unconstrained plan named was not reachable after all: use the one
-            # this refusal names, and say so.
-            c = fxmem_config(model, c.plan_floor_bytes, None, "at its floor")
-            c.notes.append(f"floor from the unconstrained plan ({floor / MiB:.1f} MiB) refused; retried")
-            runner.warm_up(c)
-        fx_points.append(c)
+        fx_points.append(warm_up_at_floor(runner, model, floor, None))
 
     for c in [c for c in configs if c.kind == "amb"]:
         if in_time(c.name):
@@ -401,8 +407,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
         if rem_floor is None:
             configs.append(Config("fxmem remat only (passes=()), at its floor", "fxmem-remat", error=why))
         else:
-            c = fxmem_config(model, rem_floor, (), "at its floor")
-            runner.warm_up(c)
+            c = warm_up_at_floor(runner, model, rem_floor, ())
             if c.first_s is not None:
                 c.notes.append(f"floor found by a refused plan in {time.perf_counter() - t0 - c.first_s:.1f} s")
             configs.append(c)

@@ -48,6 +48,7 @@ from benchmarks._harness import (  # noqa: E402
     floor_of,
     free_memory,
     fxmem_config,
+    warm_up_at_floor,
     zero_grads,
 )
 from benchmarks._models import MODELS  # noqa: E402
@@ -242,12 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
         else:
             budget = int(eager.peak_bytes * fraction)
-        c = fxmem_config(model, budget, PASS_SETS[passes], what)
-        runner.warm_up(c)
-        if fraction is None and c.error and c.error.startswith("BudgetError") and c.plan_floor_bytes:
-            # Bytes kept alive since the floor was found count too: the refusal names the floor now.
-            c = fxmem_config(model, c.plan_floor_bytes, PASS_SETS[passes], what)
-            c.notes.append(f"the floor found first ({budget / MiB:.1f} MiB) was refused; retried")
+        if fraction is None:
+            c = warm_up_at_floor(runner, model, budget, PASS_SETS[passes])
+        else:
+            c = fxmem_config(model, budget, PASS_SETS[passes], what)
             runner.warm_up(c)
         c.name = name
         if c.error is None and c.predicted_peak_bytes is None:
