@@ -27,13 +27,14 @@ from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, check_budget_gb
-from fxmem.measure import live_tensor_bytes
+from fxmem.measure import live_storage_bytes
 from fxmem.optimizer import optimizer_bytes
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
+from fxmem.workspaces import OUTSIDE_TENSORS, allocated_outside_tensors, create_workspaces
 
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
@@ -201,91 +202,18 @@ def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[s
                 params += st.nbytes()
             else:
                 other_inputs += st.nbytes()
-    live = live_tensor_bytes(device, exclude=_capture_only)
+    if device.type == "cuda":
+        create_workspaces(device)  # before the scan: what they allocate is then counted below
+    storages = live_storage_bytes(device)
+    live = sum(n for p, n in storages.items() if p not in _capture_only)
     out = {"parameters": params, "inputs and buffers": other_inputs}
     if grads:
         out["existing gradients"] = grads
     out["other live tensors"] = max(0, live - params - other_inputs - grads)
-    unseen = _allocated_outside_tensors(device)
-    if unseen:
-        out[OUTSIDE_TENSORS] = unseen
+    outside = allocated_outside_tensors(device, sum(storages.values()))
+    if outside:
+        out[OUTSIDE_TENSORS] = outside
     return out
-
-
-OUTSIDE_TENSORS = "CUDA allocations outside tensors"
-# More than cuBLAS's workspaces of two threads (2 x 33 MiB on Hopper) and rounding: worth a word.
-_OUTSIDE_NOTABLE = 128 * 2**20
-
-
-def _allocated_outside_tensors(device: torch.device) -> int:
-    """CUDA: bytes the caching allocator has handed out that no live tensor's storage holds.
-
-    cuBLAS keeps a workspace per handle and stream that ran a matmul, and cuBLASLt (a linear
-    with bias) one more: for the thread that runs the forward, and for autograd's thread for
-    the device, which runs the backward (32 + 1 MiB each on Hopper). They are allocated
-    through the caching allocator on first use and never freed, so
-    `torch.cuda.max_memory_allocated` — every measured peak — counts them, while a scan of
-    live tensors does not. `run_small_matmuls` makes them exist before they are counted.
-    Tensors that only C++ holds (an autograd graph still alive) are counted with them.
-    """
-    if device.type != "cuda":
-        return 0
-    try:
-        run_small_matmuls(device)
-        torch.cuda.synchronize(device)
-    except Exception as e:  # noqa: BLE001 - what already exists is still counted below
-        log.warning("fxmem: could not run a matmul on %s before counting its workspaces: %s", device, e)
-    live = live_tensor_bytes(device)  # collects garbage first, so it is not counted below
-    outside = max(0, torch.cuda.memory_allocated(device) - live)
-    if outside > _OUTSIDE_NOTABLE:
-        log.warning(
-            "fxmem: %s allocated on %s outside live tensors (cuBLAS workspaces; tensors only C++ holds, "
-            "such as a live autograd graph): counted in the budget",
-            format_bytes(outside),
-            device,
-        )
-    return outside
-
-
-class _MatmulsInBackward(torch.autograd.Function):
-    """The identity, whose backward runs the matmuls on autograd's thread for the device. It
-    saves nothing, so saved-tensor hooks the caller has set (offloading, checkpointing) see
-    nothing of it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        _matmuls(grad)
-        return grad
-
-
-def _matmuls(x: torch.Tensor) -> None:
-    with torch.no_grad():
-        torch.nn.functional.linear(x, x, x[0])  # with a bias: cuBLASLt
-        torch.mm(x, x)  # cuBLAS
-
-
-def run_small_matmuls(device: torch.device) -> bool:
-    """A matmul and a linear with bias on real tensors of `device`, on this thread and, through
-    a backward, on autograd's thread for the device; nothing they make outlives the call. Also
-    inside a Dynamo compile or a fake-tensor mode. The backward is left out where it cannot
-    run plainly (inference mode, compiled autograd, a CUDA graph being captured): returns
-    whether it ran."""
-    with tp.real_tensors():
-        x = torch.ones(16, 16, device=device)
-        _matmuls(x)
-        if not tp.is_real_tensor(x):
-            raise RuntimeError(f"the matmuls ran on {type(x).__name__}, not on real tensors")
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if torch.is_inference_mode_enabled() or tp.compiled_autograd_enabled() or capturing:
-            return False
-        with torch.enable_grad():
-            y = _MatmulsInBackward.apply(x.requires_grad_())
-        torch.autograd.backward(y, torch.ones_like(y))
-        return True
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
@@ -313,10 +241,10 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         # outside tensors, on CUDA) or visible to the live-tensor scan: reserve them once.
         earlier = left = ledger.others(region)
         for key in (OUTSIDE_TENSORS, "other live tensors"):
-            taken = min(left, static.get(key, 0))
             if key in static:
+                taken = min(left, static[key])
                 static[key] -= taken
-            left -= taken
+                left -= taken
         static["earlier regions' activations"] = earlier
 
     def compile_graph(graph: fx.GraphModule, rewrites: dict[str, int], slices: int, budget: int | None) -> Any:

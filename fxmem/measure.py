@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["Measurement", "live_tensor_bytes", "measure"]
+__all__ = ["Measurement", "live_storage_bytes", "live_tensor_bytes", "measure"]
 
 _MIB = 1024 * 1024
 _CPU = torch.device("cpu")
@@ -130,10 +130,15 @@ def live_tensor_bytes(device: torch.device | str | int, exclude: Collection[int]
     C++ and it may have no Python object yet. Tensors that exist only inside
     C++ (e.g. activations saved by a live autograd graph) are not seen.
     """
+    return sum(n for p, n in live_storage_bytes(device).items() if p not in exclude)
+
+
+def live_storage_bytes(device: torch.device | str | int) -> dict[int, int]:
+    """Data pointer -> bytes of each storage :func:`live_tensor_bytes` counts (one scan)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return sum(s.nbytes() for p, s in _live_storages(device).items() if p not in exclude)
+    return {p: s.nbytes() for p, s in _live_storages(device).items()}
 
 
 def _entry_storages() -> dict[int, tuple[int, StorageWeakRef]]:

@@ -221,7 +221,8 @@ def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode(
     # before the allocator's bytes outside tensors are counted; here, the same calls on CPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxmem.backend import OUTSIDE_TENSORS, _static_bytes, run_small_matmuls
+    from fxmem.backend import _static_bytes
+    from fxmem.workspaces import OUTSIDE_TENSORS, run_small_matmuls
 
     ran = []
 
@@ -238,7 +239,7 @@ def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode(
 
 
 def test_small_matmuls_leave_the_callers_autograd_state_alone():
-    from fxmem.backend import run_small_matmuls
+    from fxmem.workspaces import run_small_matmuls
 
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):

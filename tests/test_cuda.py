@@ -77,7 +77,7 @@ def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
     code = textwrap.dedent(
         """
         import json, torch, fxmem
-        from fxmem.backend import OUTSIDE_TENSORS
+        from fxmem.workspaces import OUTSIDE_TENSORS
         from fxmem.measure import live_tensor_bytes
         from fxmem.testing import GPT, GPTConfig, gpt_batch
         cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64)
