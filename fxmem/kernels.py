@@ -4,6 +4,8 @@ Which ops it generates into fused loops rather than calling a library for, which
 reader's kernel can compute again element by element, which values it writes to memory (read by
 a library call, a reduction, several kernels when recomputing inside each is not cheap), and
 where it folds an add into a matmul. Each rule was checked against inductor's generated code.
+Besides, one rewrite of the forward graph for it: random ops read their seeds from buffers, so
+identical dropouts compile one kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "kernel_ops",
     "materialized_storages",
     "op_name",
+    "seeds_from_buffers",
     "store_reused",
     "stored_on_reuse",
 ]
@@ -206,3 +209,35 @@ def store_reused(
         readers = [u for u in users[i] if fusible[u] and storage[u] != s]
         if len(readers) > 1:
             mat[s] = True
+
+
+@torch.library.custom_op("fxmem::seed", mutates_args=())
+def _seed(seeds: torch.Tensor, index: int) -> torch.Tensor:
+    """Seed `index` of the step's seeds, in a buffer of its own."""
+    return seeds[index].clone()
+
+
+@_seed.register_fake
+def _(seeds, index):
+    return seeds.new_empty(())
+
+
+def seeds_from_buffers(gm: fx.GraphModule) -> int:
+    """Make each of inductor's random ops read its seed from a buffer of its own; returns how many.
+
+    Inductor gives every random op of a graph an index into one tensor of seeds and writes that
+    index into the op's kernel, so identical dropouts (one per layer, one per head group of a
+    split attention) compile a kernel each that differs only in that number. Read through an
+    opaque op, the seed is an input like any other and one kernel serves them all. The values
+    drawn are the same: each op still gets seed `index` of the same tensor.
+    """
+    lookups = gm.graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)
+    for node in lookups:
+        with gm.graph.inserting_before(node):
+            seed = gm.graph.call_function(torch.ops.fxmem.seed.default, node.args)
+        seed.meta = dict(node.meta)
+        node.replace_all_uses_with(seed)
+        gm.graph.erase_node(node)
+    if lookups:
+        gm.recompile()
+    return len(lookups)

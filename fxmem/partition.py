@@ -37,6 +37,7 @@ from fxmem.cleanup import copy_conv_inputs_channels_last, remove_redundant_clone
 from fxmem.cost import CostModel, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
+from fxmem.kernels import seeds_from_buffers
 from fxmem.plan import Decision, Plan
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
@@ -134,6 +135,8 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second)
         log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
         fw, bw = _emit(jg, choice)
+        if fusing:
+            seeds_from_buffers(fw)
         if req.on_plan is not None:
             req.on_plan(plan)
         return fw, bw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 from types import SimpleNamespace
@@ -535,3 +536,38 @@ def test_inductor_does_not_fuse_a_reduction_into_a_consumer_after_a_library_call
     assert not choices.can_fuse_vertical(scheduler, total, consumer, 2**20)
     assert choices.can_fuse_vertical(scheduler, total, near, 2**20) == "inductor decides"
     assert choices.can_fuse_vertical(scheduler, pointwise, consumer, 2**20) == "inductor decides"
+
+
+def test_identical_dropouts_share_one_kernel_and_draw_the_same_numbers(monkeypatch):
+    """Inductor writes each random op's seed index into its kernel; read from a buffer of its
+    own, the seed leaves two identical dropouts one kernel, and the numbers drawn unchanged."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = [nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5)]
+    model = nn.Sequential(*block, *copy.deepcopy(block), nn.Linear(32, 32))
+    x = torch.randn(16, 32)
+
+    def run():
+        torch._dynamo.reset()
+        model.zero_grad()
+        m = fxmem.optimize(model, budget_gb=1.0)
+        torch.manual_seed(1)
+
+        def stepped():
+            out = m(x)
+            out.sum().backward()
+            return out
+
+        out, codes = run_and_get_code(stepped)
+        return out.detach(), [p.grad.clone() for p in model.parameters()], "\n".join(codes)
+
+    out, grads, code = run()
+    assert code.count("normalized_rand_cpu") == 1  # one kernel draws, called for both dropouts
+
+    monkeypatch.setattr(partition, "seeds_from_buffers", lambda gm: 0)
+    ref_out, ref_grads, ref_code = run()
+    assert ref_code.count("normalized_rand_cpu") == 2  # one kernel per dropout, told apart by index
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
