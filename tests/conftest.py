@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import fxmem
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 # Small enough for a 2-core CPU, with attention activations large enough that remat matters.
@@ -55,3 +56,44 @@ def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
 def small_gpt(seed: int = 0, cfg: GPTConfig = SMALL_GPT):
     torch.manual_seed(seed)
     return GPT(cfg), gpt_batch(cfg, *GPT_BATCH)
+
+
+def dropout_blocks_runs(monkeypatch, device: str = "cpu"):
+    """Two identical Linear-ReLU-Dropout blocks under fxmem (inductor), one step each with the
+    same seed: with inductor's seeds read from buffers, then read by index as inductor writes
+    them. Returns, per run, the output, the gradients and inductor's generated code."""
+    import copy
+
+    from torch._inductor.utils import run_and_get_code
+
+    from fxmem import partition
+
+    torch.manual_seed(0)
+    block = [torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5)]
+    model = torch.nn.Sequential(*block, *copy.deepcopy(block), torch.nn.Linear(32, 32)).to(device)
+    x = torch.randn(16, 32, device=device)
+
+    def run():
+        torch._dynamo.reset()
+        zero_grads(model)
+        m = fxmem.optimize(model, budget_gb=1.0)
+        torch.manual_seed(1)
+
+        def stepped():
+            out = m(x)
+            out.sum().backward()
+            return out.detach()
+
+        out, codes = run_and_get_code(stepped)
+        return out, list(grads_of(model).values()), "\n".join(codes)
+
+    runs = [run()]
+    monkeypatch.setattr(partition, "seeds_from_buffers", lambda gm: 0)
+    runs.append(run())
+    return runs
+
+
+def assert_same_step(a, b) -> None:
+    """Two runs of `dropout_blocks_runs` drew the same numbers: equal outputs and gradients."""
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1]) and all(torch.equal(g, r) for g, r in zip(a[1], b[1], strict=True))

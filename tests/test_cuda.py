@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import grads_of, max_rel_err, small_gpt, step, zero_grads
+from conftest import assert_same_step, dropout_blocks_runs, grads_of, max_rel_err, small_gpt, step, zero_grads
 
 import fxmem
 
@@ -112,3 +112,11 @@ def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
         assert r["planned"] >= 2 * per_thread, r  # the forward's thread and autograd's
     # What the plan counted is what is allocated outside tensors once steps have run.
     assert abs(r["entry_outside"] - r["planned"]) <= MiB, r
+
+
+def test_dropout_seeds_read_from_buffers_draw_the_same_numbers(monkeypatch):
+    """The forward graph inductor compiles reads each random op's seed through fxmem::seed; on
+    CUDA as on the CPU the numbers drawn are those inductor's own seed lookup gives."""
+    from_buffers, by_index = dropout_blocks_runs(monkeypatch, "cuda")
+    assert "fxmem.seed" in from_buffers[2] and "fxmem.seed" not in by_index[2]
+    assert_same_step(from_buffers, by_index)

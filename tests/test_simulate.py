@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import operator
 from types import SimpleNamespace
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import small_gpt, step
+from conftest import assert_same_step, dropout_blocks_runs, small_gpt, step
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -541,33 +540,7 @@ def test_inductor_does_not_fuse_a_reduction_into_a_consumer_after_a_library_call
 def test_identical_dropouts_share_one_kernel_and_draw_the_same_numbers(monkeypatch):
     """Inductor writes each random op's seed index into its kernel; read from a buffer of its
     own, the seed leaves two identical dropouts one kernel, and the numbers drawn unchanged."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    block = [nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.5)]
-    model = nn.Sequential(*block, *copy.deepcopy(block), nn.Linear(32, 32))
-    x = torch.randn(16, 32)
-
-    def run():
-        torch._dynamo.reset()
-        model.zero_grad()
-        m = fxmem.optimize(model, budget_gb=1.0)
-        torch.manual_seed(1)
-
-        def stepped():
-            out = m(x)
-            out.sum().backward()
-            return out
-
-        out, codes = run_and_get_code(stepped)
-        return out.detach(), [p.grad.clone() for p in model.parameters()], "\n".join(codes)
-
-    out, grads, code = run()
-    assert code.count("normalized_rand_cpu") == 1  # one kernel draws, called for both dropouts
-
-    monkeypatch.setattr(partition, "seeds_from_buffers", lambda gm: 0)
-    ref_out, ref_grads, ref_code = run()
-    assert ref_code.count("normalized_rand_cpu") == 2  # one kernel per dropout, told apart by index
-    assert torch.equal(out, ref_out)
-    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
+    from_buffers, by_index = dropout_blocks_runs(monkeypatch)
+    assert from_buffers[2].count("normalized_rand_cpu") == 1  # one kernel draws, called twice
+    assert by_index[2].count("normalized_rand_cpu") == 2  # one per dropout, told apart by index
+    assert_same_step(from_buffers, by_index)
