@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -284,13 +285,22 @@ def _make_plan(
     recomputed = set(tl.recomputed)
     candidates = sorted(set(jg.boundary()) | recomputed | {i for i, s in enumerate(choice.saved) if s})
     decisions = []
+    costed: set[fx.Node] = set()  # multi-output ops whose cost a decision already carries
     for i in candidates:
         node = jg.nodes[i]
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or jg.kind[i] != FWD:
             continue
+        # An output of a multi-output op (attention's): the op is what runs again.
+        op = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node
+        cost_s = 0.0
         if i in recomputed:
             action, reason = "recompute", "recomputed in backward to lower the peak"
+            if op is node:
+                cost_s = jg.cost_s[i]
+            elif op not in costed and jg.index.get(op) in recomputed:
+                costed.add(op)
+                cost_s = jg.cost_s[jg.index[op]]
         elif jg.banned[i]:
             action, reason = "save", "must run once (random or side effect)"
         else:
@@ -300,8 +310,8 @@ def _make_plan(
                 name=node.name,
                 nbytes=tensor_bytes(val),
                 action=action,
-                cost_s=jg.cost_s[i] if action == "recompute" else 0.0,
-                op=str(node.target),
+                cost_s=cost_s,
+                op=str(op.target),
                 module=module_path(node),
                 source=source_line(node),
                 reason=reason,

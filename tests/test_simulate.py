@@ -544,3 +544,18 @@ def test_identical_dropouts_share_one_kernel_and_draw_the_same_numbers(monkeypat
     assert from_buffers[2].count("normalized_rand_cpu") == 1  # one kernel draws, called twice
     assert by_index[2].count("normalized_rand_cpu") == 2  # one per dropout, told apart by index
     assert_same_step(from_buffers, by_index)
+
+
+def test_a_recomputed_attention_is_named_and_costed_in_the_plan():
+    """Attention returns its output with its log-sum-exp; the plan's decision for the output
+    names the attention and carries its cost (once), not the zero of a tuple lookup."""
+    torch.manual_seed(0)
+    model, batch = _vit_small()
+    with pytest.raises(fxmem.BudgetError) as err:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, compiler="eager")
+    plan = err.value.plan  # the floor's plan, where the attentions run again
+    attention = [d for d in plan.decisions if d.action == "recompute" and "scaled_dot_product" in d.op]
+    assert attention, [(d.name, d.op) for d in plan.decisions if d.action == "recompute"]
+    # two layers: each attention's output and log-sum-exp, the attention's cost on one of them
+    assert len(attention) == 4 and all(d.name.startswith("getitem") for d in attention)
+    assert len([d for d in attention if d.cost_s > 0]) == 2
