@@ -15,12 +15,15 @@ import operator
 import torch
 import torch.fx as fx
 
+from fxmem import _torch_private as tp
+
 __all__ = [
     "is_fusible",
     "is_inlinable",
     "kernel_ops",
     "materialized_storages",
     "op_name",
+    "rows",
     "seeds_from_buffers",
     "store_reused",
     "stored_on_reuse",
@@ -211,15 +214,20 @@ def store_reused(
             mat[s] = True
 
 
-@torch.library.custom_op("fxmem::seed", mutates_args=())
-def _seed(seeds: torch.Tensor, index: int) -> torch.Tensor:
-    """Seed `index` of the step's seeds, in a buffer of its own."""
-    return seeds[index].clone()
+@torch.library.custom_op("fxmem::rows", mutates_args=())
+def rows(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """A copy of rows start .. start + length of `x`, in a buffer of its own.
+
+    An opaque op to a fusing compiler, so the kernels that read it read from the start of that
+    buffer: read through a slice, the offset is written into each reader's code, and each
+    offset compiles a kernel of its own where one serves them all.
+    """
+    return x.narrow(0, start, length).clone()
 
 
-@_seed.register_fake
-def _(seeds, index):
-    return seeds.new_empty(())
+@rows.register_fake
+def _(x, start, length):
+    return x.new_empty((length, *x.shape[1:]))
 
 
 def seeds_from_buffers(gm: fx.GraphModule) -> int:
@@ -227,14 +235,18 @@ def seeds_from_buffers(gm: fx.GraphModule) -> int:
 
     Inductor gives every random op of a graph an index into one tensor of seeds and writes that
     index into the op's kernel, so identical dropouts (one per layer, one per head group of a
-    split attention) compile a kernel each that differs only in that number. Read through an
-    opaque op, the seed is an input like any other and one kernel serves them all. The values
+    split attention) compile a kernel each that differs only in that number. Read through
+    `rows`, the seed is an input like any other and one kernel serves them all. The values
     drawn are the same: each op still gets seed `index` of the same tensor.
     """
-    lookups = gm.graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)
+    graph = gm.graph
+    lookups = graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)
     for node in lookups:
-        with gm.graph.inserting_before(node):
-            seed = gm.graph.call_function(torch.ops.fxmem.seed.default, node.args)
+        seeds, index = node.args
+        with graph.inserting_before(node):
+            row = graph.call_function(torch.ops.fxmem.rows.default, (seeds, index, 1))
+            seed = graph.call_function(torch.ops.aten.view.default, (row, []))
+        row.meta = {**node.meta, "val": tp.fake_rerun(row)}
         seed.meta = dict(node.meta)
         node.replace_all_uses_with(seed)
         gm.graph.erase_node(node)

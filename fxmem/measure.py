@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,9 +120,8 @@ def _live_storages(device: torch.device) -> dict[int, torch.UntypedStorage]:
     return found
 
 
-def live_tensor_bytes(device: torch.device | str | int, exclude: Collection[int] = ()) -> int:
-    """Bytes of the unique storages of live Python-visible tensors on ``device`` (less the
-    storages whose data pointers are in ``exclude``).
+def live_tensor_bytes(device: torch.device | str | int) -> int:
+    """Bytes of the unique storages of live Python-visible tensors on ``device``.
 
     Runs ``gc.collect()`` first, then scans ``gc.get_objects()``. Storages shared
     by views are counted once (deduplicated by data pointer). The ``.grad`` of
@@ -130,7 +129,7 @@ def live_tensor_bytes(device: torch.device | str | int, exclude: Collection[int]
     C++ and it may have no Python object yet. Tensors that exist only inside
     C++ (e.g. activations saved by a live autograd graph) are not seen.
     """
-    return sum(n for p, n in live_storage_bytes(device).items() if p not in exclude)
+    return sum(live_storage_bytes(device).values())
 
 
 def live_storage_bytes(device: torch.device | str | int) -> dict[int, int]:

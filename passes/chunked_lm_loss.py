@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fxmem.kernels import rows as copy_rows
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
 __all__ = ["chunked_cross_entropy", "chunked_lm_loss"]
@@ -140,22 +141,6 @@ def _(loss, grads):
     return torch.empty_like(loss)
 
 
-@torch.library.custom_op("fxmem::rows", mutates_args=())
-def _rows(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """A copy of rows start .. start + length of `x`.
-
-    An opaque op to the compiler, so the chunk's kernels read it from the start of a buffer of
-    its own: a plain slice puts the chunk's offset into the kernel's code, and every chunk
-    would compile a kernel of its own (15 of a GPT's 31) where one serves them all.
-    """
-    return x.narrow(0, start, length).clone()
-
-
-@_rows.register_fake
-def _(x, start, length):
-    return x.new_empty((length, *x.shape[1:]))
-
-
 class _LossAndGrads(torch.autograd.Function):
     """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
 
@@ -166,8 +151,8 @@ class _LossAndGrads(torch.autograd.Function):
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
         for start in range(0, h2.shape[0], chunk_rows):
-            rows = min(chunk_rows, h2.shape[0] - start)
-            hc, yc, vc = h2[start : start + rows], _rows(y, start, rows), _rows(valid, start, rows)
+            n = min(chunk_rows, h2.shape[0] - start)
+            hc, yc, vc = h2[start : start + n], copy_rows(y, start, n), copy_rows(valid, start, n)
             logits = F.linear(hc, w_mm, b).float()  # (rows, V)
             loss, lse = _chunk_loss(logits, yc, vc)
             total = total + loss

@@ -115,8 +115,8 @@ def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
 
 
 def test_dropout_seeds_read_from_buffers_draw_the_same_numbers(monkeypatch):
-    """The forward graph inductor compiles reads each random op's seed through fxmem::seed; on
+    """The forward graph inductor compiles reads each random op's seed through fxmem::rows; on
     CUDA as on the CPU the numbers drawn are those inductor's own seed lookup gives."""
     from_buffers, by_index = dropout_blocks_runs(monkeypatch, "cuda")
-    assert "fxmem.seed" in from_buffers[2] and "fxmem.seed" not in by_index[2]
+    assert "fxmem.rows" in from_buffers[2] and "fxmem.rows" not in by_index[2]
     assert_same_step(from_buffers, by_index)
