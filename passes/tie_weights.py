@@ -82,7 +82,9 @@ def _by_sample(by_kind: dict[tuple, list[int]], tensors: dict[int, torch.Tensor]
         if len(keys) < 2:
             continue
         numel = tensors[keys[0]].numel()
-        index = torch.linspace(0, numel - 1, steps=min(numel, 16)).long()
+        # Integer positions: a float32 linspace rounds past the last element once numel > 2**24.
+        steps = min(numel, 16)
+        index = torch.arange(steps, dtype=torch.int64) * (numel - 1) // (steps - 1)
         groups: dict[tuple, list[int]] = {}
         for key in keys:
             sample = tensors[key].detach().reshape(-1)[index.to(tensors[key].device)].tolist()

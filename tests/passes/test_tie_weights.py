@@ -39,6 +39,17 @@ def test_constant_tensors_are_not_candidates():
     assert report.shared == []
 
 
+def test_detects_candidates_past_float32_integer_range():
+    """Sampled positions stay inside a tensor of more than 2**24 elements (a GPT-2 embedding
+    has 38.6M), where a float32 position would round past its last element."""
+    n = 2**24 + 4  # float32(n - 1) == n
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.arange(n, dtype=torch.bfloat16))
+    model.b = torch.nn.Parameter(model.a.detach().clone())
+    model.c = torch.nn.Parameter(model.a.detach().flip(0))
+    assert tw.detect(model).candidates == [["a", "b"]]
+
+
 def test_tie_true_ties_counts_once_and_trains_like_a_tied_model():
     model, batch = _untied_checkpoint()
     reference, _ = _untied_checkpoint()
