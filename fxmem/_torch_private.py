@@ -6,7 +6,6 @@ used as a plain function; fxmem keeps its own logic outside.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -172,7 +171,6 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn
 _INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "reorder_for_peak_memory": False}
 
 
-@functools.cache
 def _fusion_choices() -> type:
     """Inductor's fusion heuristics, less two: two kernels that do not depend on each other
     are not fused when a library call (a matmul, attention) runs between them, and neither is
@@ -182,34 +180,9 @@ def _fusion_choices() -> type:
     backward; a bias gradient summed over chunks of rows, each chunk's sum fused into the
     final add, holds every chunk's gradient); the plan counted them freed. A reduction's own
     output is small: written out, it costs next to nothing."""
-    import bisect
-
-    from torch._inductor.choices import InductorChoices
-
-    def call_between(scheduler, first: int, last: int) -> bool:
-        calls = getattr(scheduler, "_fxmem_library_calls", None)
-        if calls is None:
-            calls = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
-            scheduler._fxmem_library_calls = calls
-        k = bisect.bisect_right(calls, first)
-        return k < len(calls) and calls[k] < last
-
-    class FxmemChoices(InductorChoices):
-        @staticmethod
-        def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
-            first, last = min(node1.max_order, node2.max_order), max(node1.min_order, node2.min_order)
-            if call_between(scheduler, first, last):
-                return False
-            return InductorChoices.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
-
-        @staticmethod
-        def can_fuse_vertical(scheduler, node1, node2, shared_data_score):
-            if node1.is_reduction() and call_between(scheduler, node1.max_order, node2.min_order):
-                return False
-            return InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score)
-
-        def uuid(self) -> str:
-            return "fxmem-no-fusion-across-library-calls-2"
+    # A class defined at a module's top level: inductor pickles it into its cache key (torch
+    # 2.11 bypasses the cache, with a warning, for a class it cannot pickle by name).
+    from fxmem._inductor_choices import FxmemChoices
 
     return FxmemChoices
 

@@ -515,6 +515,15 @@ def test_inductor_does_not_fuse_unrelated_kernels_across_a_library_call(monkeypa
     assert choices.can_fuse_horizontal(scheduler, early, next_to_early, 2**20) == "inductor decides"
 
 
+def test_inductor_choices_pickle_by_name():
+    """Inductor pickles its config, this class included, into its cache key: a class it cannot
+    pickle by name makes torch 2.11 bypass the cache on every compile."""
+    import pickle
+
+    choices = tp._fusion_choices()
+    assert pickle.loads(pickle.dumps(choices)) is choices
+
+
 def test_inductor_does_not_fuse_a_reduction_into_a_consumer_after_a_library_call(monkeypatch):
     """A reduction fused into a consumer that runs after a library call would run there, its
     input alive across the call; pointwise producers, and consumers before any call, are
