@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU measurements in one command that ends within about MINUTES minutes (default 9):
-#   0. tests/test_cuda.py: a small GPT held to small budgets, where cuBLAS's workspaces matter;
+#   0. tests/test_cuda.py: a small GPT held to small budgets, where cuBLAS's workspaces matter,
+#      then benchmarks/cuda_peak.py: what is alive at that GPT's measured peak at its floor;
 #   1. benchmarks/budget_check.py --device cuda: the GPT-2-small-shaped GPT held by the planner
 #      alone (passes=()) to 80%, 60% and 50% of eager's measured peak, then with the default
 #      passes at its floor (torch.cuda.max_memory_allocated against each budget);
 #   2. benchmarks/run.py --device cuda on MODELS (default: gpt), with the time that is left.
 # The budget check rewrites its report after every point; run.py after every model, and when it
-# is stopped.
+# is stopped. Eight files in all: three logs, two from the budget check, three from run.py (with
+# one model).
 #
-#     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS]
+#     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS] [PARTS]
 #
+# PARTS: which of tests, budget and bench to run, comma-separated (default all three): with
+# bench alone, the benchmark has the whole time for MODELS.
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
 # networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
 # when python3 cannot import it. Exit status: 0 when all three succeeded; else the tests' (1:
@@ -20,6 +24,8 @@ out=${1:-${OUT:-benchmarks/results}}
 case "$out" in /*) ;; *) out=$PWD/$out ;; esac
 minutes=${2:-9}
 models=${3:-gpt}
+parts=,${4:-tests,budget,bench},
+wants() { case "$parts" in *,"$1",*) return 0 ;; esac; return 1; }
 case "$minutes" in '' | *[!0-9]*) echo "MINUTES must be a whole number, got '$minutes'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -31,9 +37,17 @@ left() { echo $((minutes * 60 - ($(date +%s) - start))); }
 # `fxmem.passes` lives in passes/ and only the install maps it there (pyproject.toml): a plain
 # checkout on sys.path does not provide it. So fxmem is imported as installed, and Python runs
 # outside the checkout's root (python3 -c and -m put the working folder first on sys.path).
+# Without network or build tools, the install is laid out by hand: the package, passes/ as
+# fxmem/passes, and a dist-info that registers the torch_dynamo_backends entry point.
 if ! (cd /tmp && python3 -c "import fxmem.passes") 2>/dev/null; then
     site=$(mktemp -d)
-    python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$site" . || exit 1
+    cp -r fxmem "$site/fxmem" && cp -r passes "$site/fxmem/passes" || exit 1
+    info=$site/fxmem-0.1.0.dist-info
+    mkdir -p "$info"
+    printf 'Metadata-Version: 2.1\nName: fxmem\nVersion: 0.1.0\n' >"$info/METADATA"
+    sed -n '/^\[project.entry-points.torch_dynamo_backends\]/,/^$/p' pyproject.toml |
+        sed -e 's/^\[project.entry-points.torch_dynamo_backends\]/[torch_dynamo_backends]/' -e 's/"//g' \
+            >"$info/entry_points.txt"
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 (cd /tmp && python3 -c "
@@ -45,19 +59,31 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 
 # The tests take at most a quarter of the time.
-(cd tests && timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
-    test_cuda.py) 2>&1 | tee "$out/test-cuda.log"
-tests=${PIPESTATUS[0]}
+tests=0
+if wants tests; then
+    (cd tests && timeout -k 20 $((minutes * 15)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
+        test_cuda.py) 2>&1 | tee "$out/test-cuda.log"
+    tests=${PIPESTATUS[0]}
+    # What is alive at the measured peak beside what the plan predicted there (the small GPT at
+    # its floor with the default passes), appended to the tests' log.
+    (cd /tmp && timeout -k 10 120 python3 "$root/benchmarks/cuda_peak.py") 2>&1 | grep -v "^W[0-9]" |
+        tee -a "$out/test-cuda.log"
+fi
 
 # The budget check ends by 65% of the time; it starts no point past 50%.
-timeout -k 20 $(($(left) - minutes * 21)) python3 benchmarks/budget_check.py --device cuda \
-    --time-limit $(($(left) - minutes * 30)) --out-dir "$out/budget-cuda" 2>&1 | tee "$out/budget-cuda.log"
-check=${PIPESTATUS[0]}
+check=0
+if wants budget; then
+    timeout -k 20 $(($(left) - minutes * 21)) python3 benchmarks/budget_check.py --device cuda \
+        --time-limit $(($(left) - minutes * 30)) --out-dir "$out/budget-cuda" 2>&1 | tee "$out/budget-cuda.log"
+    check=${PIPESTATUS[0]}
+fi
 
 # The benchmark starts no configuration in its last 100 s, which leave time for its steps.
 bench=0
 remaining=$(left)
-if [ "$remaining" -gt 120 ]; then
+if ! wants bench; then
+    :
+elif [ "$remaining" -gt 120 ]; then
     timeout -k 10 $((remaining - 15)) python3 benchmarks/run.py --device cuda --models "$models" \
         --time-limit $((remaining - 100)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
     bench=${PIPESTATUS[0]}

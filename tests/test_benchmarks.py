@@ -128,3 +128,43 @@ def test_a_model_cut_short_claims_no_floor():
     assert "not measured (time limit)" in summary_table([cut])
     whole = Result(MODELS["gpt"], "quick", configs, fxmem_floor_bytes=20 * mib)
     assert "**not met**" in render_model(whole, None)  # 60 MiB against half of 80: the check still runs
+
+
+def test_cuda_peak_replays_an_allocator_trace_to_its_peak():
+    from benchmarks.cuda_peak import alive_at_measured_peak
+
+    trace = [
+        {"action": "free_requested", "addr": 1, "size": 64},  # allocated before the trace: ignored
+        {"action": "alloc", "addr": 10, "size": 100},
+        {"action": "alloc", "addr": 20, "size": 300},
+        {"action": "free_requested", "addr": 10, "size": 100},
+        {"action": "free_completed", "addr": 10, "size": 100},
+        {"action": "alloc", "addr": 30, "size": 50},
+        {"action": "alloc", "addr": 10, "size": 20},
+        {"action": "free_completed", "addr": 20, "size": 300},
+    ]
+    peak, blocks = alive_at_measured_peak(trace)
+    assert peak == 400
+    assert sorted(b["addr"] for b in blocks) == [10, 20]
+
+
+def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
+    """The dynamic bytes alive at the timeline's peak, plus its static bytes, are the plan's
+    predicted peak."""
+    from conftest import small_gpt
+
+    import fxmem
+    from benchmarks.cuda_peak import alive_at_predicted_peak
+
+    model, batch = small_gpt()
+    plan = fxmem.optimize(model, 0.5, compiler="eager", example_inputs=batch).plan
+    peak, rows = alive_at_predicted_peak(plan.timeline)
+    assert peak == sum(nbytes for _, _, nbytes in rows)
+    assert peak + sum(plan.timeline["static"].values()) == plan.predicted_peak_bytes
+    assert {category for _, category, _ in rows} <= {
+        "gradients",
+        "saved activations",
+        "outputs",
+        "recomputed",
+        "temporaries",
+    }

@@ -1,0 +1,170 @@
+"""What is alive at a CUDA step's measured peak, beside what the plan predicted alive at its own.
+
+    python benchmarks/cuda_peak.py [--passes default|none] [--budget floor|unconstrained]
+
+The small GPT of tests/test_cuda.py (4 layers, d64, vocab 512, batch 4 x 256, fp32) under
+`fxmem.optimize` at its floor (default) runs one step with the CUDA allocator's history
+recorded (`torch.cuda.memory._record_memory_history`, Python stacks). The history is replayed
+to the moment `torch.cuda.max_memory_allocated()` reads as the peak; the blocks the step
+allocated that are alive then are listed by the line that allocated them (in inductor's
+generated code, that line names the buffer and the kernel or library call). Beside them: the
+plan's predicted peak, its allocations alive there (from `plan.timeline`), and the workspaces
+fxmem measured for library kernels. A difference between the two lists is what the plan
+misses. Prints a text report; needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import linecache
+import os
+import sys
+from collections import defaultdict
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+__all__ = ["alive_at_measured_peak", "alive_at_predicted_peak", "main"]
+
+MiB = 2**20
+_TOP = 25
+
+
+def alive_at_measured_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """Replay one device's allocator trace (`torch.cuda.memory._snapshot()["device_traces"][i]`):
+    the highest running total of the blocks it allocated, and those alive at that moment.
+    Blocks allocated before the trace began are not in it (their frees are ignored)."""
+    live: dict[int, dict] = {}
+    running = peak = 0
+    at_peak: list[dict] = []
+    for e in trace:
+        action, addr = e.get("action"), e.get("addr")
+        if action == "alloc":
+            live[addr] = e
+            running += e["size"]
+            if running > peak:
+                peak, at_peak = running, list(live.values())
+        elif action in ("free_requested", "free_completed") and addr in live:
+            running -= live.pop(addr)["size"]
+    return peak, at_peak
+
+
+def alive_at_predicted_peak(timeline: dict) -> tuple[int, list[tuple[str, str, int]]]:
+    """The plan's dynamic bytes at its predicted peak and the allocations alive there, as
+    (node, category, bytes), from a plan's `timeline` record (see fxmem.plan_record)."""
+    by_step: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for t, a, nbytes in timeline["events"]:
+        by_step[t].append((a, nbytes))
+    live: dict[int, int] = {}
+    peak, at_peak = 0, {}
+    for t in range(len(timeline["steps"])):
+        events = by_step.get(t, [])
+        for a, nbytes in events:  # charged before the step's snapshot
+            if nbytes > 0:
+                live[a] = nbytes
+        total = sum(live.values())
+        if total > peak:
+            peak, at_peak = total, dict(live)
+        for a, nbytes in events:  # freed after it
+            if nbytes < 0:
+                live.pop(a, None)
+    rows = [(*timeline["allocations"][a], nbytes) for a, nbytes in at_peak.items()]
+    return peak, sorted(rows, key=lambda r: -r[2])
+
+
+def _site(frames: list[dict]) -> str:
+    """The line that asked for a block: the first frame in inductor's generated code, else the
+    first outside torch."""
+    for want in (lambda f: "torchinductor" in f, lambda f: "/torch/" not in f):
+        for fr in frames:
+            name = fr.get("filename", "")
+            if name and want(name):
+                text = linecache.getline(name, fr.get("line", 0)).strip()
+                return f"{os.path.basename(name)}:{fr.get('line')} {text[:110]}"
+    return "(C++ only)"
+
+
+def _report_measured(trace: list[dict]) -> int:
+    peak, blocks = alive_at_measured_peak(trace)
+    sites: dict[str, list[int]] = defaultdict(list)
+    for b in blocks:
+        sites[_site(b.get("frames", []))].append(b["size"])
+    print(f"measured: {peak / MiB:.3f} MiB allocated by the step at its peak, {len(blocks)} blocks")
+    for site, sizes in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:_TOP]:
+        print(f"  {sum(sizes) / MiB:9.3f} MiB  x{len(sizes):<3d} {site}")
+    return peak
+
+
+def _report_predicted(plan) -> int:
+    peak, rows = alive_at_predicted_peak(plan.timeline)
+    print(f"predicted: {peak / MiB:.3f} MiB of dynamic bytes at the plan's peak, {len(rows)} allocations")
+    for name, category, nbytes in rows[:_TOP]:
+        print(f"  {nbytes / MiB:9.3f} MiB  {category:<18s} {name}")
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--passes", choices=("default", "none"), default="default")
+    ap.add_argument("--budget", choices=("floor", "unconstrained"), default="floor")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+
+    import fxmem
+    from fxmem import probe
+    from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+    passes = None if args.passes == "default" else ()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)
+    model = GPT(cfg).cuda()
+    batch = tuple(t.cuda() for t in gpt_batch(cfg, 4, 256))
+
+    def step(m):
+        loss = m(*batch)
+        loss.backward()
+        return loss
+
+    step(model)  # cuBLAS's workspaces exist from here on
+    model.zero_grad(set_to_none=True)
+    budget_gb = None
+    if args.budget == "floor":
+        try:
+            fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
+        except fxmem.BudgetError as e:
+            budget_gb = (e.floor_bytes + 0.5) / 2**30
+    m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
+    step(m)  # compiles
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    entry = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        step(m)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    peak = torch.cuda.max_memory_allocated()
+    plan = m.plan
+    device = torch.cuda.current_device()
+    print(f"passes={args.passes} budget={args.budget}: {torch.cuda.get_device_name()} torch {torch.__version__}")
+    print(
+        f"entry {entry / MiB:.3f} MiB, measured peak {peak / MiB:.3f} MiB (the step added "
+        f"{(peak - entry) / MiB:.3f}), predicted {plan.predicted_peak_bytes / MiB:.3f} MiB, budget "
+        + (f"{plan.budget_bytes / MiB:.3f} MiB" if plan.budget_bytes else "none")
+    )
+    print(f"plan breakdown at its peak (MiB): { {k: round(v / MiB, 3) for k, v in plan.breakdown.items()} }")
+    _report_measured(snap["device_traces"][device])
+    _report_predicted(plan)
+    print("library-kernel workspaces fxmem measured (op, argument shapes -> bytes):")
+    for key, nbytes in probe._cache.items():
+        print(f"  {nbytes / MiB:9.3f} MiB  {key[0]} {str(key[1])[:150]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
