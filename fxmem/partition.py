@@ -281,7 +281,9 @@ def _make_plan(
 ) -> Plan:
     tl = choice.timeline
     copies = [i for i, node in enumerate(jg.nodes) if COPY_OF in node.meta]
-    copies_s = sum(jg.cost_s[i] for i in copies)
+    second_s = sum(jg.cost_s[i] for i in copies if SECOND in jg.nodes[i].meta)
+    cheap = [i for i in copies if SECOND not in jg.nodes[i].meta]
+    copies_s = _fused_seconds(jg, cheap, measure_rates(str(req.device)).bytes_per_s) if cheap else 0.0
     recomputed = set(tl.recomputed)
     candidates = sorted(set(jg.boundary()) | recomputed | {i for i, s in enumerate(choice.saved) if s})
     decisions = []
@@ -333,7 +335,8 @@ def _make_plan(
         decisions=decisions,
         rewrites=dict(req.rewrites),
         saved_bytes=sum(jg.storage_bytes[s] for s in tl.saved_interval),
-        added_time_s=tl.recompute_s + copies_s,
+        added_time_s=tl.recompute_s + second_s + copies_s,
+        copies_time_s=copies_s,
         planning_s=planning_s,
         compiler=req.compiler,
         device=str(req.device),
@@ -345,6 +348,17 @@ def _make_plan(
         second_recomputation=asdict(second) if second is not None else {},
         batch_slices=req.batch_slices,
     )
+
+
+def _fused_seconds(jg: JointGraph, nodes: list[int], bytes_per_s: float) -> float:
+    """Time of element-wise `nodes` that a fusing compiler generates into the kernels that read
+    them (the backward copies of cheap values): what they read from outside once, and what
+    they must write out (a library call's input); not each op's reads and writes, which would
+    count the values passed between them inside a kernel."""
+    inside = set(nodes)
+    moved = {jg.storage[j] for i in nodes for j in jg.inputs[i] if j not in inside and jg.storage[j] >= 0}
+    moved |= {jg.storage[i] for i in nodes if jg.storage[i] >= 0 and jg.materialized[jg.storage[i]]}
+    return sum(jg.storage_bytes[s] for s in moved) / bytes_per_s
 
 
 def _second_decisions(jg: JointGraph, second: SecondRecomputation, copies: list[int]) -> list[Decision]:

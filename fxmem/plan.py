@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Decision", "Plan", "format_bytes"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
-# version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation
-_READABLE_VERSIONS = (1, 2, 3)
+# version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation;
+# version 3 copies_time_s
+_READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def format_bytes(n: float) -> str:
@@ -45,6 +46,9 @@ class Plan:
     rewrites: dict[str, int] = field(default_factory=dict)
     saved_bytes: int = 0  # activations kept from the forward for the backward (unique storages)
     added_time_s: float = 0.0
+    # Of added_time_s: the backward's own copies of cheap element-wise values (fxmem.again),
+    # which no decision lists.
+    copies_time_s: float = 0.0
     planning_s: float = 0.0
     compiler: str = "inductor"
     device: str = "cpu"
@@ -94,6 +98,11 @@ class Plan:
             parts.append(f" {json.dumps(key)}: {text}")
         return "{\n" + ",\n".join(parts) + "\n}\n"
 
+    def _copies_part(self) -> str:
+        if self.copies_time_s <= 0:
+            return ""
+        return f", {self.copies_time_s * 1e3:.1f} ms of it for backward copies of cheap values"
+
     def summary(self, top: int = 10) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
         lines = [
@@ -104,7 +113,7 @@ class Plan:
             f"  floor            {format_bytes(self.floor_bytes)}",
             f"  unconstrained    {format_bytes(self.unconstrained_peak_bytes)}",
             f"  decisions        {len(self.saved)} tensors saved, {len(self.recomputed)} recomputed "
-            f"(+{self.added_time_s * 1e3:.1f} ms estimated)",
+            f"(+{self.added_time_s * 1e3:.1f} ms estimated{self._copies_part()})",
             "  at the peak:",
         ]
         lines += [f"    {k:<16} {format_bytes(v)}" for k, v in self.breakdown.items()]

@@ -47,7 +47,7 @@ def saved(tmp_path_factory):
 def test_plan_json_schema(saved):
     plan, directory = saved
     data = json.loads((directory / "plan.json").read_text())
-    assert data["schema_version"] == 3
+    assert data["schema_version"] == 4
     for key in ("budget_bytes", "floor_bytes", "predicted_peak_bytes", "breakdown", "decisions", "rewrites"):
         assert key in data
     assert set(data["breakdown"]) >= {"parameters", "saved activations", "temporaries"}
@@ -126,10 +126,21 @@ def test_memory_snapshot_replays_to_the_predicted_timeline(saved):
     assert "snapshot.pickle" in _memory_viz.trace_plot(snap)
 
 
+def test_summary_names_the_backward_copies_in_the_estimate():
+    """The added time includes the backward's copies of cheap values (made for a fusing
+    compiler), which no decision lists: the summary says how much of it they are."""
+    model, batch = tiny_gpt()
+    plan = fxmem.optimize(model, 1.0, example_inputs=batch).plan
+    assert 0 < plan.copies_time_s <= plan.added_time_s
+    recomputing = sum(d.cost_s for d in plan.decisions if d.action == "recompute")
+    assert recomputing <= plan.added_time_s - plan.copies_time_s + 1e-9
+    assert f"{plan.copies_time_s * 1e3:.1f} ms of it for backward copies" in plan.summary()
+
+
 def test_schema_version_1_still_loads(saved, tmp_path):
     plan, _ = saved
     data = plan.to_dict()
-    for key in ("timeline", "graph", "fingerprint", "saved_nodes", "measured"):
+    for key in ("timeline", "graph", "fingerprint", "saved_nodes", "measured", "second_recomputation", "copies_time_s"):
         del data[key]
     data["schema_version"] = 1
     (tmp_path / "plan.json").write_text(json.dumps(data))
@@ -192,7 +203,7 @@ def test_torch_logs_name_and_tlparse_artifact():
     artifacts = [r for r in records if "fxmem_plan" in str(getattr(r, "metadata", r.msg))]
     assert artifacts, [str(r.msg)[:80] for r in records][:5]
     payload = json.loads(artifacts[-1].payload)
-    assert payload["schema_version"] == 3 and payload["predicted_peak_bytes"] > 0
+    assert payload["schema_version"] == 4 and payload["predicted_peak_bytes"] > 0
 
 
 def _hf_llama():
