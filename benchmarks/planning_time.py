@@ -1,14 +1,22 @@
-"""Planning time of a 12-layer GPT (d256, vocab 8192, batch 4 x 512) at a tight budget.
+"""Planning time of a 12-layer GPT (d256, vocab 8192, batch 4 x 512) at a tight budget, or of
+the benchmark models at one of their sizes.
 
     python benchmarks/planning_time.py [--layers 12]
+    python benchmarks/planning_time.py --models gpt-dropout,hf-gpt2 [--size cuda]
 
 Prints the joint graph size and the seconds the planner took (plan.planning_s: building the
 graph arrays, the save/recompute trajectory with its simulations, and choosing and polishing).
+With --models, each benchmark model (benchmarks/_models.py) is built at --size on this machine's
+CPU and planned for its floor with the default passes and with rematerialisation alone (the
+plan an impossible budget's BudgetError carries; nothing is compiled or run): the GPU sizes
+planned here are the graphs a GPU run plans, but for the passes that fire on the CPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
@@ -16,11 +24,8 @@ import fxmem
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=12)
-    args = ap.parse_args()
-    cfg = GPTConfig(n_layer=args.layers)
+def _gpt(layers: int) -> None:
+    cfg = GPTConfig(n_layer=layers)
     torch.manual_seed(0)
     model = GPT(cfg)
     batch = gpt_batch(cfg, 4, 512)
@@ -31,10 +36,49 @@ def main() -> None:
         except fxmem.BudgetError as e:
             plan = e.plan
         print(
-            f"{args.layers} layers, budget {budget_gb} GiB: {plan.graph_nodes} joint nodes, "
+            f"{layers} layers, budget {budget_gb} GiB: {plan.graph_nodes} joint nodes, "
             f"planned in {plan.planning_s:.2f} s; predicted {plan.predicted_peak_bytes / 2**20:.0f} MiB, "
             f"floor {plan.floor_bytes / 2**20:.0f} MiB"
         )
+
+
+def _benchmark_models(names: list[str], size: str) -> None:
+    # The repository root, for `benchmarks`, after the installed packages (see budget_check.py).
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._models import MODELS
+
+    for name in names:
+        if size not in MODELS[name].sizes:
+            print(f"[{name}] has no {size!r} size")
+            continue
+        torch.manual_seed(0)
+        model, batch = MODELS[name].sizes[size].build()
+        for label, passes in (("default passes", None), ("remat only", ())):
+            torch._dynamo.reset()
+            try:
+                fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
+            except fxmem.BudgetError as e:
+                plan = e.plan
+                fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v) or "none"
+                print(
+                    f"[{name}] {size} size, {label}: {plan.graph_nodes} joint nodes, planned in "
+                    f"{plan.planning_s:.1f} s; floor {plan.floor_bytes / 2**20:.1f} MiB, unconstrained "
+                    f"{plan.unconstrained_peak_bytes / 2**20:.1f} MiB; passes fired: {fired}",
+                    flush=True,
+                )
+        del model, batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--models", default=None, help="comma-separated benchmark models (benchmarks/_models.py)")
+    ap.add_argument("--size", default="cuda", help="with --models: cpu, quick or cuda (default)")
+    args = ap.parse_args()
+    if args.models:
+        _benchmark_models(args.models.split(","), args.size)
+    else:
+        _gpt(args.layers)
 
 
 if __name__ == "__main__":

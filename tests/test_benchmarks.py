@@ -168,3 +168,11 @@ def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
         "recomputed",
         "temporaries",
     }
+
+
+def test_planning_time_plans_benchmark_models_at_a_size():
+    out = _run("planning_time.py", "--models", "gpt", "--size", "quick")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[gpt] quick size")]
+    assert len(lines) == 2 and all("joint nodes, planned in" in line for line in lines), out.stdout
+    assert "passes fired: swap_sdpa" in lines[0] and "passes fired: none" in lines[1]
