@@ -5,8 +5,9 @@
 The small GPT of tests/test_cuda.py (4 layers, d64, vocab 512, batch 4 x 256, fp32) under
 `fxmem.optimize` at its floor (default) runs one step with the CUDA allocator's history
 recorded (`torch.cuda.memory._record_memory_history`, Python stacks). The history is replayed
-to the moment `torch.cuda.max_memory_allocated()` reads as the peak; the blocks the step
-allocated that are alive then are listed by the line that allocated them (in inductor's
+to the moment of its highest requested bytes (which `memory_stats()["requested_bytes.all.peak"]`
+reads; `torch.cuda.max_memory_allocated()` counts the allocator's rounded blocks, both are
+printed); the blocks the step allocated that are alive then are listed by the line that allocated them (in inductor's
 generated code, that line names the buffer and the kernel or library call). Beside them: the
 plan's predicted peak, its allocations alive there (from `plan.timeline`), and the workspaces
 fxmem measured for library kernels. A difference between the two lists is what the plan
@@ -33,20 +34,29 @@ _TOP = 25
 
 def alive_at_measured_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     """Replay one device's allocator trace (`torch.cuda.memory._snapshot()["device_traces"][i]`):
-    the highest running total of the blocks it allocated, and those alive at that moment.
-    Blocks allocated before the trace began are not in it (their frees are ignored)."""
+    the highest rise of requested bytes over where the trace began, and the blocks the trace
+    allocated that are alive at that moment. A block allocated before the trace began and freed
+    in it lowers the total. Sizes are as requested: the allocator's blocks, which
+    `max_memory_allocated()` counts, are rounded up (to 512 bytes; a large block is not split
+    for less than 1 MiB), so compare with `memory_stats()["requested_bytes.all.peak"]`."""
     live: dict[int, dict] = {}
+    freed_before: set[int] = set()  # blocks from before the trace, already counted as freed
     running = peak = 0
     at_peak: list[dict] = []
     for e in trace:
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
             live[addr] = e
+            freed_before.discard(addr)
             running += e["size"]
             if running > peak:
                 peak, at_peak = running, list(live.values())
-        elif action in ("free_requested", "free_completed") and addr in live:
-            running -= live.pop(addr)["size"]
+        elif action in ("free_requested", "free_completed"):
+            if addr in live:
+                running -= live.pop(addr)["size"]
+            elif action == "free_requested" and addr not in freed_before:
+                freed_before.add(addr)
+                running -= e["size"]
     return peak, at_peak
 
 
@@ -129,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
     step(model)  # cuBLAS's workspaces exist from here on
     model.zero_grad(set_to_none=True)
-    budget_gb = None
+    budget_gb = 1024.0  # unconstrained
     if args.budget == "floor":
         try:
             fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
+            raise SystemExit("a budget of 1e-6 GiB was accepted: no floor to run at")
         except fxmem.BudgetError as e:
             budget_gb = (e.floor_bytes + 0.5) / 2**30
     m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     entry = torch.cuda.memory_allocated()
+    requested_entry = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     try:
@@ -149,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated()
+    requested_peak = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
     plan = m.plan
     device = torch.cuda.current_device()
     print(f"passes={args.passes} budget={args.budget}: {torch.cuda.get_device_name()} torch {torch.__version__}")
@@ -156,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         f"entry {entry / MiB:.3f} MiB, measured peak {peak / MiB:.3f} MiB (the step added "
         f"{(peak - entry) / MiB:.3f}), predicted {plan.predicted_peak_bytes / MiB:.3f} MiB, budget "
         + (f"{plan.budget_bytes / MiB:.3f} MiB" if plan.budget_bytes else "none")
+    )
+    print(
+        f"requested bytes (what the replay below counts): the step added "
+        f"{(requested_peak - requested_entry) / MiB:.3f} MiB at its peak"
     )
     print(f"plan breakdown at its peak (MiB): { {k: round(v / MiB, 3) for k, v in plan.breakdown.items()} }")
     _report_measured(snap["device_traces"][device])

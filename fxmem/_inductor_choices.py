@@ -23,6 +23,8 @@ def _call_between(scheduler, first: int, last: int) -> bool:
 
 
 class FxmemChoices(InductorChoices):
+    # Inductor keys its cache by this class: torch 2.11 by its name, later versions by uuid().
+    # When the heuristics change, change both (a new uuid and a new name).
     @staticmethod
     def can_fuse_horizontal(scheduler, node1, node2, shared_data_score):
         first, last = min(node1.max_order, node2.max_order), max(node1.min_order, node2.min_order)

@@ -134,18 +134,19 @@ def test_cuda_peak_replays_an_allocator_trace_to_its_peak():
     from benchmarks.cuda_peak import alive_at_measured_peak
 
     trace = [
-        {"action": "free_requested", "addr": 1, "size": 64},  # allocated before the trace: ignored
         {"action": "alloc", "addr": 10, "size": 100},
         {"action": "alloc", "addr": 20, "size": 300},
+        {"action": "free_requested", "addr": 1, "size": 64},  # allocated before the trace
+        {"action": "free_completed", "addr": 1, "size": 64},
         {"action": "free_requested", "addr": 10, "size": 100},
         {"action": "free_completed", "addr": 10, "size": 100},
         {"action": "alloc", "addr": 30, "size": 50},
-        {"action": "alloc", "addr": 10, "size": 20},
+        {"action": "alloc", "addr": 10, "size": 120},
         {"action": "free_completed", "addr": 20, "size": 300},
     ]
     peak, blocks = alive_at_measured_peak(trace)
-    assert peak == 400
-    assert sorted(b["addr"] for b in blocks) == [10, 20]
+    assert peak == 100 + 300 - 64 - 100 + 50 + 120  # the earlier block's free counts once
+    assert sorted(b["addr"] for b in blocks) == [10, 20, 30]
 
 
 def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
