@@ -32,32 +32,37 @@ MiB = 2**20
 _TOP = 25
 
 
-def alive_at_measured_peak(trace: list[dict]) -> tuple[int, list[dict]]:
-    """Replay one device's allocator trace (`torch.cuda.memory._snapshot()["device_traces"][i]`):
-    the highest rise of requested bytes over where the trace began, and the blocks the trace
-    allocated that are alive at that moment. A block allocated before the trace began and freed
-    in it lowers the total. Sizes are as requested: the allocator's blocks, which
-    `max_memory_allocated()` counts, are rounded up (to 512 bytes; a large block is not split
-    for less than 1 MiB), so compare with `memory_stats()["requested_bytes.all.peak"]`."""
-    live: dict[int, dict] = {}
-    freed_before: set[int] = set()  # blocks from before the trace, already counted as freed
-    running = peak = 0
-    at_peak: list[dict] = []
-    for e in trace:
-        action, addr = e.get("action"), e.get("addr")
-        if action == "alloc":
-            live[addr] = e
-            freed_before.discard(addr)
-            running += e["size"]
-            if running > peak:
-                peak, at_peak = running, list(live.values())
-        elif action in ("free_requested", "free_completed"):
-            if addr in live:
-                running -= live.pop(addr)["size"]
-            elif action == "free_requested" and addr not in freed_before:
-                freed_before.add(addr)
-                running -= e["size"]
+def alive_at_measured_peak(trace: list[dict], entry: dict[int, int]) -> tuple[int, list[dict]]:
+    """Replay one device's allocator trace (`torch.cuda.memory._snapshot()["device_traces"][i]`)
+    as `fxmem.measure` counts allocations: the highest rise over where the trace began, and
+    the trace's allocations alive at that moment. `entry`: the blocks alive before the trace
+    (address -> bytes), whose frees in it lower the total. Sizes are as requested: the
+    allocator's blocks, which `max_memory_allocated()` counts, are rounded up (to 512 bytes; a
+    large block is not split for less than 1 MiB), so compare with
+    `memory_stats()["requested_bytes.all.peak"]`."""
+    from fxmem.measure import _running_totals
+
+    allocs = [e for e in trace if e.get("action") in ("alloc", "free_requested")]
+    events = [(0, e["addr"], e["size"] if e["action"] == "alloc" else -e["size"]) for e in allocs]
+    made: dict[int, dict] = {}  # address -> the trace entry that allocated what lives there
+    peak, at_peak = 0, []
+    for e, (running, live) in zip(allocs, _running_totals(events, entry, set()), strict=True):
+        if e["action"] == "alloc":
+            made[e["addr"]] = e
+        if running > peak:
+            peak, at_peak = running, [made[a] for a in live]
     return peak, at_peak
+
+
+def _alive_blocks(snapshot: dict, device: int) -> dict[int, int]:
+    """Blocks allocated on `device` in an allocator snapshot: address -> requested bytes."""
+    return {
+        b["address"]: b.get("requested_size", b["size"])
+        for seg in snapshot["segments"]
+        if seg.get("device", device) == device
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
 
 
 def alive_at_predicted_peak(timeline: dict) -> tuple[int, list[tuple[str, str, int]]]:
@@ -95,8 +100,8 @@ def _site(frames: list[dict]) -> str:
     return "(C++ only)"
 
 
-def _report_measured(trace: list[dict]) -> int:
-    peak, blocks = alive_at_measured_peak(trace)
+def _report_measured(trace: list[dict], entry: dict[int, int]) -> int:
+    peak, blocks = alive_at_measured_peak(trace, entry)
     sites: dict[str, list[int]] = defaultdict(list)
     for b in blocks:
         sites[_site(b.get("frames", []))].append(b["size"])
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA device")
 
     import fxmem
+    from benchmarks._harness import call_model, floor_of, zero_grads
     from fxmem import probe
     from fxmem.testing import GPT, GPTConfig, gpt_batch
 
@@ -132,29 +138,28 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(cfg).cuda()
     batch = tuple(t.cuda() for t in gpt_batch(cfg, 4, 256))
 
-    def step(m):
-        loss = m(*batch)
-        loss.backward()
-        return loss
+    def step(module):
+        call_model(module, batch).backward()
 
     step(model)  # cuBLAS's workspaces exist from here on
-    model.zero_grad(set_to_none=True)
+    zero_grads(model)
     budget_gb = 1024.0  # unconstrained
     if args.budget == "floor":
-        try:
-            fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
-            raise SystemExit("a budget of 1e-6 GiB was accepted: no floor to run at")
-        except fxmem.BudgetError as e:
-            budget_gb = (e.floor_bytes + 0.5) / 2**30
+        floor, why = floor_of(model, batch, passes)
+        if floor is None:
+            raise SystemExit(f"no floor to run at: {why}")
+        budget_gb = (floor + 0.5) / 2**30
     m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
     step(m)  # compiles
-    model.zero_grad(set_to_none=True)
+    zero_grads(model)
     torch.cuda.synchronize()
+    device = torch.cuda.current_device()
     entry = torch.cuda.memory_allocated()
     requested_entry = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     try:
+        before = _alive_blocks(torch.cuda.memory._snapshot(), device)
         step(m)
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
@@ -163,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     peak = torch.cuda.max_memory_allocated()
     requested_peak = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
     plan = m.plan
-    device = torch.cuda.current_device()
     print(f"passes={args.passes} budget={args.budget}: {torch.cuda.get_device_name()} torch {torch.__version__}")
     print(
         f"entry {entry / MiB:.3f} MiB, measured peak {peak / MiB:.3f} MiB (the step added "
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{(requested_peak - requested_entry) / MiB:.3f} MiB at its peak"
     )
     print(f"plan breakdown at its peak (MiB): { {k: round(v / MiB, 3) for k, v in plan.breakdown.items()} }")
-    _report_measured(snap["device_traces"][device])
+    _report_measured(snap["device_traces"][device], before)
     _report_predicted(plan)
     print("library-kernel workspaces fxmem measured (op, argument shapes -> bytes):")
     for key, nbytes in probe._cache.items():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,15 +158,18 @@ def _allocation_events(result: Any, device: torch.device = _CPU) -> list[tuple[i
     return events
 
 
-def _peak_rise(events: list[tuple[int, int, int]], entry: dict[int, Any]) -> tuple[int, set[int]]:
-    """Highest running total (floored at 0) and the entry pointers seen freed.
+def _running_totals(
+    events: list[tuple[int, int, int]], entry: Collection[int], freed: set[int]
+) -> Iterator[tuple[int, dict[int, int]]]:
+    """After each allocator event: the bytes allocated since the start less those freed, and
+    the blocks allocated since the start that are alive (pointer -> bytes; updated in place).
 
-    A free counts only for a block allocated earlier in the call or alive at
-    entry; frees of blocks that entry_bytes never counted are ignored.
+    A free counts only for a block allocated earlier in the call or alive at entry (once:
+    `freed` collects the entry pointers seen freed); frees of blocks that entry never counted
+    are ignored.
     """
     live: dict[int, int] = {}
-    freed: set[int] = set()
-    running = peak = 0
+    running = 0
     for _, ptr, nbytes in events:
         if nbytes > 0:
             live[ptr] = nbytes
@@ -176,8 +179,14 @@ def _peak_rise(events: list[tuple[int, int, int]], entry: dict[int, Any]) -> tup
         elif ptr in entry and ptr not in freed:
             freed.add(ptr)
             running += nbytes
-        peak = max(peak, running)
-    return peak, freed
+        yield running, live
+
+
+def _peak_rise(events: list[tuple[int, int, int]], entry: Collection[int]) -> tuple[int, set[int]]:
+    """Highest running total (floored at 0) and the entry pointers seen freed."""
+    freed: set[int] = set()
+    peak = max((running for running, _ in _running_totals(events, entry, freed)), default=0)
+    return max(peak, 0), freed
 
 
 def _measure_cpu(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Measurement:

@@ -214,19 +214,11 @@ def measure_plan(plan: Plan, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
         out = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
     events = m._allocation_events(prof.profiler.kineto_results)
-    rise, _ = m._peak_rise(events, entry)
     entry_bytes = sum(n for n, _ in entry.values())
-    live: dict[int, int] = {}
-    running, curve = 0, []
-    for _, ptr, nbytes in events:  # the same bookkeeping as measure's, step by step
-        if nbytes > 0:
-            live[ptr] = nbytes
-            running += nbytes
-        elif ptr in live:
-            running -= live.pop(ptr)
-        elif ptr in entry:
-            running += nbytes
-        curve.append(entry_bytes + max(running, 0))
+    # measure's bookkeeping, read after every event
+    totals = [running for running, _ in m._running_totals(events, entry, set())]
+    rise = max([0, *totals])
+    curve = [entry_bytes + max(running, 0) for running in totals]
     stride = max(1, len(curve) // _CURVE_POINTS)
     curve = [max(curve[i : i + stride]) for i in range(0, len(curve), stride)]
     plan.measured = {"peak_bytes": entry_bytes + rise, "curve": curve}

@@ -134,19 +134,22 @@ def test_cuda_peak_replays_an_allocator_trace_to_its_peak():
     from benchmarks.cuda_peak import alive_at_measured_peak
 
     trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 4096},
         {"action": "alloc", "addr": 10, "size": 100},
         {"action": "alloc", "addr": 20, "size": 300},
-        {"action": "free_requested", "addr": 1, "size": 64},  # allocated before the trace
+        {"action": "free_requested", "addr": 1, "size": 64},  # alive before the trace
         {"action": "free_completed", "addr": 1, "size": 64},
+        {"action": "free_requested", "addr": 2, "size": 32},  # never counted: ignored
         {"action": "free_requested", "addr": 10, "size": 100},
         {"action": "free_completed", "addr": 10, "size": 100},
         {"action": "alloc", "addr": 30, "size": 50},
         {"action": "alloc", "addr": 10, "size": 120},
-        {"action": "free_completed", "addr": 20, "size": 300},
+        {"action": "free_requested", "addr": 20, "size": 300},
     ]
-    peak, blocks = alive_at_measured_peak(trace)
-    assert peak == 100 + 300 - 64 - 100 + 50 + 120  # the earlier block's free counts once
-    assert sorted(b["addr"] for b in blocks) == [10, 20, 30]
+    peak, blocks = alive_at_measured_peak(trace, {1: 64})
+    assert peak == 100 + 300 - 64 - 100 + 50 + 120  # the earlier block's free counts, once
+    assert sorted((b["addr"], b["size"]) for b in blocks) == [(10, 120), (20, 300), (30, 50)]
+    assert alive_at_measured_peak(trace[:3], {})[0] == 400
 
 
 def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
