@@ -35,7 +35,7 @@ from fxmem.again import (
     plan_second_recomputation,
 )
 from fxmem.cleanup import copy_conv_inputs_channels_last, remove_redundant_clones
-from fxmem.cost import CostModel, measure_rates, tensor_bytes
+from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
 from fxmem.kernels import seeds_from_buffers
@@ -131,9 +131,9 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             floor_bytes = req.budget_for(floor_peak)
         planning_s = time.perf_counter() - t0
         if choice is None:
-            plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s, second)
+            plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s, second, cost.rates)
             raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan)
-        plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second)
+        plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second, cost.rates)
         log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
         fw, bw = _emit(jg, choice)
         if fusing:
@@ -277,13 +277,14 @@ def _make_plan(
     choice: Choice,
     floor_bytes: int,
     planning_s: float,
-    second: SecondRecomputation | None = None,
+    second: SecondRecomputation | None,
+    rates: DeviceRates,
 ) -> Plan:
     tl = choice.timeline
     copies = [i for i, node in enumerate(jg.nodes) if COPY_OF in node.meta]
     second_s = sum(jg.cost_s[i] for i in copies if SECOND in jg.nodes[i].meta)
     cheap = [i for i in copies if SECOND not in jg.nodes[i].meta]
-    copies_s = _fused_seconds(jg, cheap, measure_rates(str(req.device)).bytes_per_s) if cheap else 0.0
+    copies_s = _fused_seconds(jg, cheap, rates.bytes_per_s) if cheap else 0.0
     recomputed = set(tl.recomputed)
     candidates = sorted(set(jg.boundary()) | recomputed | {i for i, s in enumerate(choice.saved) if s})
     decisions = []
