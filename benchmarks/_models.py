@@ -106,8 +106,9 @@ def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, batch: int, seq: i
         )
         model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
         # GPT2LMHeadModel's class name maps to no loss type, so `loss_function` logs a
-        # warning_once on every call, which Dynamo cannot trace (a graph break). Naming the loss
-        # it falls back to anyway avoids the log call.
+        # warning_once on every call, where torch.compile breaks the graph (fxmem skips the call).
+        # Naming the loss it falls back to anyway avoids the call: the torch.compile anchors
+        # trace the whole step as one graph too.
         model.loss_type = "ForCausalLM"
         return model, _hf_batch(vocab, batch, seq)
 

@@ -6,6 +6,9 @@ used as a plain function; fxmem keeps its own logic outside.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +38,7 @@ __all__ = [
     "is_real_tensor",
     "is_sym_node",
     "is_tangent",
+    "logging_calls_skipped",
     "must_be_in_backward",
     "real_tensors",
     "register_log_name",
@@ -236,3 +240,63 @@ def trace_artifact(name: str, payload_fn: Any) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "json"},
         payload_fn=payload_fn,
     )
+
+
+# The methods of `logging.Logger` a forward may call (libraries add their own, such as
+# transformers' `warning_once`); each returns None.
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+@contextlib.contextmanager
+def logging_calls_skipped() -> Iterator[None]:
+    """Dynamo tracing in which the forward's calls to `logging.Logger`'s methods are no-ops.
+
+    One graph cannot hold a logging call: without this, Dynamo breaks the graph at each one
+    (transformers' models call `logger.warning_once` from their forward). Its config is read
+    while tracing, so this wraps every call of a compiled module."""
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS}
+    methods |= {v for name, v in vars(logging.Logger).items() if name.endswith("_once") and callable(v)}
+    config = torch._dynamo.config
+    with config.patch(ignore_logging_functions=config.ignore_logging_functions | methods):
+        if _config_logging_fails():
+            with _config_sorting_error_dropped():
+                yield
+        else:
+            yield
+
+
+def _config_logging_fails() -> bool:
+    """Whether Dynamo's compilation metrics fail to serialise this config (torch before 2.13
+    sorts the set of functions, which do not compare, and logs the TypeError as an error)."""
+    from torch._dynamo import utils
+
+    try:
+        utils._get_dynamo_config_for_logging()
+    except TypeError:
+        return True
+    except Exception:  # noqa: BLE001 -- any other failure is torch's own to report
+        return False
+    return False
+
+
+class _ConfigSortingError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[0] is not TypeError:
+            return True
+        tb = record.exc_info[2]
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "_get_dynamo_config_for_logging":
+                return False
+            tb = tb.tb_next
+        return True
+
+
+@contextlib.contextmanager
+def _config_sorting_error_dropped() -> Iterator[None]:
+    logger = logging.getLogger("torch._dynamo.metrics_context")
+    drop = _ConfigSortingError()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fxmem import _torch_private as tp
 from fxmem.backend import COMPILERS, Options, fxmem_backend, held_while_capturing
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb
 from fxmem.passes import tie_weights as tie_weights_pass
@@ -174,7 +175,8 @@ class FxmemModule(nn.Module):
     # -- calling ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self._fxmem_compiled(*args, **kwargs)
+            with tp.logging_calls_skipped():
+                return self._fxmem_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, (BudgetError, ValueError, TypeError)):

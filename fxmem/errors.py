@@ -26,10 +26,12 @@ class BudgetError(ValueError):
         self.breakdown = breakdown
         self.plan = plan
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in breakdown.items())
+        # The floor is a budget: the lowest predicted peak and the head-room every budget keeps.
+        peak = f": its lowest predicted peak, {format_bytes(plan.predicted_peak_bytes)}, and head-room" if plan else ""
         super().__init__(
-            f"budget {format_bytes(budget_bytes)} is below the smallest peak fxmem can reach, "
-            f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}); "
-            f"at that floor: {parts}"
+            f"budget {format_bytes(budget_bytes)} is below the smallest budget fxmem can plan this step for, "
+            f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}){peak}; "
+            f"at that peak: {parts}"
         )
 
 

@@ -110,7 +110,7 @@ class Plan:
             f"planned in {self.planning_s:.2f} s)",
             f"  budget           {budget}",
             f"  predicted peak   {format_bytes(self.predicted_peak_bytes)}",
-            f"  floor            {format_bytes(self.floor_bytes)}",
+            f"  floor            {format_bytes(self.floor_bytes)} (the smallest budget it can be planned for)",
             f"  unconstrained    {format_bytes(self.unconstrained_peak_bytes)}",
             f"  decisions        {len(self.saved)} tensors saved, {len(self.recomputed)} recomputed "
             f"(+{self.added_time_s * 1e3:.1f} ms estimated{self._copies_part()})",

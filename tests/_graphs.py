@@ -14,18 +14,22 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxmem import _torch_private as tp
+
 __all__ = ["calls", "capture", "compare_with_eager", "compile_with_pass", "grad_err", "run_graph"]
 
 
 def capture(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[fx.GraphModule, list[Any]]:
-    """Dynamo's graph of `fn(*args, **kwargs)` (one graph: fullgraph=True) and its example inputs."""
+    """Dynamo's graph of `fn(*args, **kwargs)` (one graph: fullgraph=True) and its example inputs,
+    traced as fxmem traces (calls to loggers skipped)."""
     graphs = []
 
     def be(gm, ex):
         graphs.append((gm, ex))
         return gm.forward
 
-    torch.compile(fn, backend=be, fullgraph=True, dynamic=False)(*args, **kwargs)
+    with tp.logging_calls_skipped():
+        torch.compile(fn, backend=be, fullgraph=True, dynamic=False)(*args, **kwargs)
     assert len(graphs) == 1, f"{len(graphs)} graphs captured"
     return graphs[0]
 
@@ -42,7 +46,13 @@ def compile_with_pass(pass_fn: Callable, fn: Callable[..., Any]) -> tuple[Callab
         seen.append((gm, fired))
         return gm.forward
 
-    return torch.compile(fn, backend=be, fullgraph=True, dynamic=False), seen
+    compiled = torch.compile(fn, backend=be, fullgraph=True, dynamic=False)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tp.logging_calls_skipped():  # as fxmem traces
+            return compiled(*args, **kwargs)
+
+    return run, seen
 
 
 def run_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:

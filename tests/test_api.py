@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 
@@ -129,6 +130,68 @@ def test_impossible_budget_raises_before_running_and_leaves_model_untouched():
     step(ok, *batch)
     zero_grads(model)
     assert fxmem.measure(step, ok, *batch).peak_bytes <= err.floor_bytes
+
+
+class _Logs(nn.Module):
+    """A block whose forward logs, as library models do (a warning, a debug line)."""
+
+    log = logging.getLogger("fxmem.tests.logs")
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        self.log.warning("forward of %s", type(self).__name__)
+        h = torch.tanh(self.a(x))
+        self.log.debug("hidden %s", h.shape)
+        return self.b(h).square().mean()
+
+
+def test_logging_calls_in_forward_are_skipped_not_a_graph_break():
+    torch.manual_seed(0)
+    model, x = _Logs(), torch.randn(16, 32)
+    step(model, x)
+    ref = grads_of(model)
+    zero_grads(model)
+    before = torch._dynamo.config.ignore_logging_functions.copy()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    model.log.addHandler(handler)
+    model.log.setLevel(logging.DEBUG)
+    try:
+        m = fxmem.optimize(model, 1.0, compiler="eager")
+        step(m, x)
+        assert len(m.plans) == 1  # one graph, planned once
+        assert max_rel_err(grads_of(model), ref) < 1e-6
+        assert not records  # not run in the compiled step
+        assert torch._dynamo.config.ignore_logging_functions == before  # torch's config is put back
+        model.log.warning("eager")  # and logging itself is untouched
+        assert [r.getMessage() for r in records] == ["eager"]
+    finally:
+        model.log.removeHandler(handler)
+
+
+class _Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return h.square().mean()
+
+
+def test_graph_break_is_a_clear_error_and_leaves_model_untouched():
+    model, x = _Breaks(), torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    with pytest.raises(fxmem.GraphBreakError, match="one graph"):
+        m(x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "8GB", None, True, [1]])

@@ -79,7 +79,7 @@ def test_plan_over_budget_exits_1_and_keeps_the_smallest_plan(tmp_path, capsys):
         main(["-q", "plan", f"{FACTORIES}:tiny_gpt", "--budget", "100KB", "--out", str(out), "--compiler", "eager"])
         == 1
     )
-    assert "below the smallest peak" in capsys.readouterr().err
+    assert "below the smallest budget" in capsys.readouterr().err
     assert (out / "plan.json").exists()
 
 

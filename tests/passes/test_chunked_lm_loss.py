@@ -217,9 +217,7 @@ def _hf(name):
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
-    model.loss_type = "ForCausalLM"  # see test_hf_models: avoids a warning_once graph break
-    return model
+    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "opt"])

@@ -346,9 +346,7 @@ def _gpt2():
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
-    model.loss_type = "ForCausalLM"  # see test_hf_models: avoids a warning_once graph break
-    return model
+    return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
 
 
 def _llama(**overrides):
