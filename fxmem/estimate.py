@@ -168,7 +168,9 @@ def estimate(
     modules and tensors it creates have sizes but no memory. It must not move them to another
     device. `compiler` picks the memory model: "inductor" (fused elementwise ops never write
     their intermediates) or "eager". The optimizer step is counted as torch runs it on CUDA
-    (its multi-tensor implementation).
+    (its multi-tensor implementation). Library kernels' workspaces (attention's, and under
+    "eager" convolutions' and batch norm's), which planning measures by running the kernels on
+    the device, are not counted.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")

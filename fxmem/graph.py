@@ -288,7 +288,7 @@ class JointGraph:
         if fusing:
             materialized = kernels.materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
-        transient = [workspace_bytes(n) + (0 if fusing else transient_bytes(n)) for n in nodes]
+        transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
         stored_on_reuse = kernels.stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
         if fusing:

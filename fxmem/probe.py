@@ -2,8 +2,9 @@
 
 Attention kernels allocate scratch space inside themselves, on top of their outputs: the CPU
 flash kernels keep per-thread blocks of scores, the CUDA ones accumulate the query gradient in
-fp32. Its size depends on the kernel the dispatcher picks, the thread count and the device, so
-it is measured rather than modelled: the op runs once on tensors of the node's shapes, and its
+fp32; run op by op, CPU convolutions reorder their inputs and batch norm's backward keeps a
+second buffer. Its size depends on the kernel the dispatcher picks, the layout, the thread
+count and the device, so it is measured rather than modelled: the op runs once on tensors of the node's shapes, and its
 workspace is the highest allocation rise during the call (the allocator's events, as the
 profiler records them; CUDA's peak counters are left alone) less the bytes of what it returns.
 Results are kept per op, argument shapes, device and thread count for the process. Under a
@@ -26,17 +27,25 @@ __all__ = ["workspace_bytes"]
 
 log = logging.getLogger(__name__)
 
-# Ops with a workspace worth knowing (substrings of the op's name).
+# Ops with a workspace worth knowing (substrings of the op's name): attention, under any
+# compiler. Under one that runs aten's kernels one by one, also convolutions, forward and
+# backward, whose CPU kernels reorder contiguous inputs (as much as an input or output, more
+# than the output itself in a 3x3 convolution's backward), and the normalisations (CPU batch
+# norm's backward: a second buffer of its input's size). A fusing compiler decomposes the
+# normalisations and runs convolutions channels-last on CPU, where they reorder nothing.
 _PROBED = ("scaled_dot_product",)
+_PROBED_UNFUSED = ("convolution", "native_batch_norm", "native_layer_norm", "native_group_norm")
 # A probe allocates its own inputs; beyond this it is not worth the time or the memory.
 _MAX_PROBE_BYTES = 512 * 2**20
 
 _cache: dict[tuple, int] = {}
 
 
-def workspace_bytes(node: fx.Node) -> int:
-    """Bytes `node`'s kernel allocates and frees inside itself (0 when not probed)."""
-    if node.op != "call_function" or not any(p in str(node.target) for p in _PROBED):
+def workspace_bytes(node: fx.Node, fusing: bool = False) -> int:
+    """Bytes `node`'s kernel allocates and frees inside itself (0 when not probed); `fusing`:
+    the graph is compiled by a fusing compiler (inductor) rather than run op by op."""
+    probed = _PROBED if fusing else _PROBED + _PROBED_UNFUSED
+    if node.op != "call_function" or not any(p in str(node.target) for p in probed):
         return 0
     try:
         key = (str(node.target), _signature(node.args), _signature(node.kwargs), torch.get_num_threads())
