@@ -180,3 +180,16 @@ def test_planning_time_plans_benchmark_models_at_a_size():
     lines = [line for line in out.stdout.splitlines() if line.startswith("[gpt] quick size")]
     assert len(lines) == 2 and all("joint nodes, planned in" in line for line in lines), out.stdout
     assert "passes fired: swap_sdpa" in lines[0] and "passes fired: none" in lines[1]
+
+
+def test_cnn_floor_reports_each_model_and_compiler(capsys):
+    from benchmarks import cnn_floor
+
+    assert cnn_floor.main(["--models", "convnet", "--compilers", "eager"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| convnet | eager |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    floor, measured = float(cells[3]), float(cells[4])
+    assert measured <= floor and cells[6] == "yes"
+    with pytest.raises(SystemExit):
+        cnn_floor.main(["--models", "resnet9000"])

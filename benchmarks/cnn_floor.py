@@ -1,0 +1,188 @@
+"""Convolutional networks at fxmem's floor, under each compiler: does the measured peak hold?
+
+    python benchmarks/cnn_floor.py [--models convnet,hf-resnet,unet] [--compilers eager,inductor]
+
+The smallest budget fxmem plans a CNN's step for is where its memory model is tested hardest:
+nothing is left over between the plan's predicted peak and the budget but the head-room every
+plan keeps (3% and 2 MiB). Per model and compiler, on CPU: eager's measured peak, the floor
+(read from the BudgetError of an impossible budget), the peak `fxmem.measure` reads of a step
+planned at that floor, the plan's prediction, whether the budget held, and the gradients'
+relative error against fp64's (all parameters together), fxmem's beside eager's own
+(batch-norm gradients are ill-conditioned in fp32). The models:
+
+- convnet: fxmem.testing.ConvNet (conv-BN-ReLU stem, residual blocks), 32 channels, 2 blocks,
+  16 images of 64 px;
+- hf-resnet: transformers' ResNetForImageClassification from a config (a 7x7 stem, max pooling,
+  4 stages of depth 1, 16 to 64 channels), 32 images of 128 px (needs transformers);
+- unet: a small encoder-decoder with GroupNorm, a strided convolution, a transposed
+  convolution, nearest upsampling and a skip concatenation, 8 images of 96 px.
+
+Prints a Markdown table; exit status 1 when a budget did not hold or fxmem's gradients are
+more than ten times further from fp64's than eager's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from collections.abc import Callable
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fxmem  # noqa: E402
+from benchmarks._harness import floor_of, zero_grads  # noqa: E402
+from benchmarks._records import MiB, machine_line  # noqa: E402
+from fxmem.testing import ConvNet  # noqa: E402
+
+__all__ = ["main"]
+
+GRAD_FACTOR = 10  # fxmem's gradient error against fp64's, at most this many times eager's
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class UNet(nn.Module):
+    """Encoder-decoder: GroupNorm, a strided and a transposed convolution, upsampling, a skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU())
+        self.down2 = nn.Sequential(nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.SiLU())
+        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
+        self.out = nn.Conv2d(64, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        a = self.down1(x)
+        b = self.down2(a)
+        up = self.up(b) + F.interpolate(b, scale_factor=2, mode="nearest")[:, :32]
+        return F.mse_loss(self.out(torch.cat([a, up], 1)), target)
+
+
+class _HFResNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import transformers
+
+        cfg = transformers.ResNetConfig(
+            embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10
+        )
+        self.net = transformers.ResNetForImageClassification._from_config(cfg)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixel_values=pixels, labels=labels).loss
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
+    "convnet": lambda: (
+        ConvNet(channels=32, blocks=2),
+        (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))),
+    ),
+    "hf-resnet": lambda: (_HFResNet(), (torch.randn(32, 3, 128, 128), torch.randint(0, 10, (32,)))),
+    "unet": lambda: (UNet(), (torch.randn(8, 3, 96, 96), torch.randn(8, 3, 96, 96))),
+}
+
+
+def _step(model: nn.Module, batch: Batch) -> torch.Tensor:
+    loss = model(*batch)
+    loss.backward()
+    return loss.detach()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _grad_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Relative error of all gradients together (a convolution's bias before a batch norm has a
+    zero gradient, whose own relative error is noise over noise)."""
+    if got.keys() != ref.keys():
+        return float("inf")
+    diff = sum(((got[k] - ref[k]).double() ** 2).sum() for k in ref) ** 0.5
+    norm = sum((ref[k].double() ** 2).sum() for k in ref) ** 0.5
+    return float(diff / norm)
+
+
+def run(name: str, compiler: str) -> dict:
+    """One model under one compiler at its floor; the model's buffers (batch norm's running
+    statistics) are put back before every step, so each starts from the same state."""
+    torch.manual_seed(0)
+    model, batch = MODELS[name]()
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    wide = copy.deepcopy(model).double()
+    _step(wide, tuple(t.double() if t.is_floating_point() else t for t in batch))
+    ref64 = {k: g.float() for k, g in _grads(wide).items()}
+    del wide
+    _step(model, batch)  # warm-up
+    zero_grads(model)
+    model.load_state_dict(state)
+    eager = fxmem.measure(_step, model, batch)
+    eager_err = _grad_err(_grads(model), ref64)
+    zero_grads(model)
+    model.load_state_dict(state)
+    floor, why = floor_of(model, batch, None, compiler=compiler)
+    row = {"model": name, "compiler": compiler, "eager": eager.peak_bytes, "floor": floor, "why": why}
+    row["eager_err"] = eager_err
+    if floor is None:
+        return row
+    model.load_state_dict(state)
+    module = fxmem.optimize(model, (floor + 0.5) / 2**30, compiler=compiler)
+    _step(module, batch)  # plans and compiles
+    row["grad_err"] = _grad_err(_grads(model), ref64)
+    zero_grads(model)
+    model.load_state_dict(state)
+    got = fxmem.measure(_step, module, batch)
+    zero_grads(model)
+    row.update(measured=got.peak_bytes, predicted=module.plan.predicted_peak_bytes)
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| model | compiler | eager MiB | floor (budget) MiB | measured MiB | predicted MiB | held "
+        "| grad err vs fp64: fxmem | eager |",
+        "|---|---|---:|---:|---:|---:|:-:|---:|---:|",
+    ]
+    for r in rows:
+        if r.get("measured") is None:
+            lines.append(f"| {r['model']} | {r['compiler']} | {r['eager'] / MiB:.2f} | — | — | — | | {r['why']} | |")
+            continue
+        held = "yes" if r["measured"] <= r["floor"] else "**no**"
+        lines.append(
+            f"| {r['model']} | {r['compiler']} | {r['eager'] / MiB:.2f} | {r['floor'] / MiB:.2f} | "
+            f"{r['measured'] / MiB:.2f} | {r['predicted'] / MiB:.2f} | {held} | {r['grad_err']:.1e} | {r['eager_err']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--compilers", default="eager,inductor")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    compilers = [c for c in args.compilers.split(",") if c]
+    unknown = sorted(set(models) - set(MODELS)) + sorted(set(compilers) - {"eager", "inductor"})
+    if unknown:
+        ap.error(f"unknown model(s) or compiler(s): {unknown}")
+    print(f"# CNNs at fxmem's floor\n\n{machine_line('cpu')}\n")
+    rows = [run(m, c) for m in models for c in compilers]
+    print(_table(rows))
+    failed = [
+        r
+        for r in rows
+        if r.get("measured") is None
+        or r["measured"] > r["floor"]
+        or r["grad_err"] > GRAD_FACTOR * r["eager_err"] + 1e-6
+    ]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
