@@ -7,6 +7,7 @@ used as a plain function; fxmem keeps its own logic outside.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -265,9 +266,11 @@ def logging_calls_skipped() -> Iterator[None]:
             yield
 
 
+@functools.cache
 def _config_logging_fails() -> bool:
-    """Whether Dynamo's compilation metrics fail to serialise this config (torch before 2.13
-    sorts the set of functions, which do not compare, and logs the TypeError as an error)."""
+    """Whether Dynamo's compilation metrics fail to serialise the patched config (torch before
+    2.13 sorts the set of functions, which do not compare, and logs the TypeError as an error).
+    Asked once: the answer is the torch release's."""
     from torch._dynamo import utils
 
     try:
