@@ -49,6 +49,8 @@ __all__ = [
     "floor_of",
     "free_memory",
     "fxmem_config",
+    "grads_of",
+    "overall_rel_err",
     "warm_up_at_floor",
     "zero_grads",
 ]
@@ -76,6 +78,21 @@ def _sync(device: str) -> None:
 def zero_grads(model: nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def overall_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Relative error of all gradients together (inf when the parameter sets differ). Robust to
+    gradients that are zero in exact arithmetic — a convolution's bias before a batch norm, a
+    key projection's bias — whose own relative error is noise over noise."""
+    if got.keys() != ref.keys():
+        return float("inf")
+    diff = sum(((got[k] - ref[k]).double() ** 2).sum() for k in ref) ** 0.5
+    norm = sum((ref[k].double() ** 2).sum() for k in ref) ** 0.5
+    return float(diff / norm)
 
 
 def _grads_numpy(model: nn.Module) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxmem  # noqa: E402
-from benchmarks._harness import floor_of, zero_grads  # noqa: E402
+from benchmarks._harness import floor_of, grads_of, overall_rel_err, zero_grads  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 from fxmem.testing import ConvNet  # noqa: E402
 
@@ -94,20 +94,6 @@ def _step(model: nn.Module, batch: Batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _grad_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """Relative error of all gradients together (a convolution's bias before a batch norm has a
-    zero gradient, whose own relative error is noise over noise)."""
-    if got.keys() != ref.keys():
-        return float("inf")
-    diff = sum(((got[k] - ref[k]).double() ** 2).sum() for k in ref) ** 0.5
-    norm = sum((ref[k].double() ** 2).sum() for k in ref) ** 0.5
-    return float(diff / norm)
-
-
 def run(name: str, compiler: str) -> dict:
     """One model under one compiler at its floor; the model's buffers (batch norm's running
     statistics) are put back before every step, so each starts from the same state."""
@@ -117,13 +103,13 @@ def run(name: str, compiler: str) -> dict:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     wide = copy.deepcopy(model).double()
     _step(wide, tuple(t.double() if t.is_floating_point() else t for t in batch))
-    ref64 = {k: g.float() for k, g in _grads(wide).items()}
+    ref64 = {k: g.float() for k, g in grads_of(wide).items()}
     del wide
     _step(model, batch)  # warm-up
     zero_grads(model)
     model.load_state_dict(state)
     eager = fxmem.measure(_step, model, batch)
-    eager_err = _grad_err(_grads(model), ref64)
+    eager_err = overall_rel_err(grads_of(model), ref64)
     zero_grads(model)
     model.load_state_dict(state)
     floor, why = floor_of(model, batch, None, compiler=compiler)
@@ -134,7 +120,7 @@ def run(name: str, compiler: str) -> dict:
     model.load_state_dict(state)
     module = fxmem.optimize(model, (floor + 0.5) / 2**30, compiler=compiler)
     _step(module, batch)  # plans and compiles
-    row["grad_err"] = _grad_err(_grads(model), ref64)
+    row["grad_err"] = overall_rel_err(grads_of(model), ref64)
     zero_grads(model)
     model.load_state_dict(state)
     got = fxmem.measure(_step, module, batch)

@@ -193,3 +193,17 @@ def test_cnn_floor_reports_each_model_and_compiler(capsys):
     assert measured <= floor and cells[6] == "yes"
     with pytest.raises(SystemExit):
         cnn_floor.main(["--models", "resnet9000"])
+
+
+def test_hf_zoo_holds_a_model_at_its_floor(capsys):
+    pytest.importorskip("transformers")
+    from benchmarks import hf_zoo
+
+    assert hf_zoo.main(["--models", "llama", "--budget", "floor"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    budget, measured = float(cells[2]), float(cells[3])
+    assert measured <= budget and cells[5] == "yes" and float(cells[6]) < 1e-4
+    for bad in (["--budget", "2"], ["--models", "llama9000"]):
+        with pytest.raises(SystemExit):
+            hf_zoo.main(bad)

@@ -1,0 +1,249 @@
+"""Hugging Face architectures, built from small configs, through `fxmem.optimize` as users call it.
+
+    python benchmarks/hf_zoo.py [--models gpt2,llama,...] [--compiler eager|inductor]
+        [--budget 0.5|floor]
+
+Each model is built with transformers' defaults (its default attention implementation, its
+own loss from `labels`), dropout off so that eager and fxmem compute the same thing, and one
+step is measured eagerly, then under `fxmem.optimize` at a fraction of eager's measured peak or
+at fxmem's floor (read from the BudgetError of an impossible budget). Per model: eager's peak,
+the budget, the measured and predicted peaks, whether the budget held (a BudgetError at a
+fraction is reported as such: the floor is above it), the gradients' relative error against
+eager's (all parameters together), the passes that fired, and the first call's seconds
+(planning and compilation). Language models train on 8 x 512 tokens of a 512-word vocabulary,
+vision models on 32 images of 128 px. Needs transformers. Exit status 1 when a budget that was
+accepted did not hold, gradients differ by more than 1e-4, or a model failed otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import fxmem  # noqa: E402
+from benchmarks._harness import floor_of, grads_of, overall_rel_err, zero_grads  # noqa: E402
+from benchmarks._records import MiB, machine_line  # noqa: E402
+
+__all__ = ["main"]
+
+GRAD_TOL = 1e-4
+VOCAB, BATCH, SEQ = 512, 8, 512
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=SEQ,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def _tokens() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _images() -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(32, 3, 128, 128), "labels": torch.randint(0, 10, (32,))}
+
+
+def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+    import transformers as T
+
+    def lm(cls: Any, cfg: Any) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+        return lambda: (cls._from_config(cfg), _tokens())
+
+    def vision(cls: Any, cfg: Any) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+        return lambda: (cls._from_config(cfg), _images())
+
+    gqa = dict(_DECODER, num_key_value_heads=2)
+    return {
+        "gpt2": lm(
+            T.GPT2LMHeadModel,
+            T.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                resid_pdrop=0,
+                embd_pdrop=0,
+                attn_pdrop=0,
+            ),
+        ),
+        "llama": lm(T.LlamaForCausalLM, T.LlamaConfig(**gqa)),
+        "mistral": lm(T.MistralForCausalLM, T.MistralConfig(**gqa)),
+        "qwen2": lm(T.Qwen2ForCausalLM, T.Qwen2Config(**gqa)),
+        "qwen3": lm(T.Qwen3ForCausalLM, T.Qwen3Config(**gqa, head_dim=16)),
+        "gemma": lm(T.GemmaForCausalLM, T.GemmaConfig(**gqa, head_dim=16)),
+        "phi3": lm(T.Phi3ForCausalLM, T.Phi3Config(**gqa)),
+        "gpt-neox": lm(T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**_DECODER, hidden_dropout=0, attention_dropout=0)),
+        "opt": lm(
+            T.OPTForCausalLM,
+            T.OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                ffn_dim=128,
+                max_position_embeddings=SEQ,
+                dropout=0,
+                attention_dropout=0,
+                word_embed_proj_dim=64,
+            ),  # fmt: skip
+        ),
+        "bert": lm(
+            T.BertForMaskedLM,
+            T.BertConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=SEQ,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+            ),  # fmt: skip
+        ),
+        "t5": lm(
+            T.T5ForConditionalGeneration,
+            T.T5Config(
+                vocab_size=VOCAB,
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                dropout_rate=0,
+                decoder_start_token_id=0,
+            ),  # fmt: skip
+        ),
+        "vit": vision(
+            T.ViTForImageClassification,
+            T.ViTConfig(
+                image_size=128,
+                patch_size=8,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                num_labels=10,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+            ),  # fmt: skip
+        ),
+        "resnet": vision(
+            T.ResNetForImageClassification,
+            T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10),
+        ),
+        "convnext": vision(
+            T.ConvNextForImageClassification,
+            T.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10),
+        ),
+    }
+
+
+def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
+    """One model; its buffers (batch norm's statistics) are put back before every step."""
+    torch.manual_seed(0)
+    model, batch = build()
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, batch)  # warm-up
+    zero_grads(model)
+    model.load_state_dict(state)
+    eager = fxmem.measure(_step, model, batch)
+    ref = grads_of(model)
+    zero_grads(model)
+    model.load_state_dict(state)
+    row: dict[str, Any] = {"model": name, "eager": eager.peak_bytes}
+    if budget == "floor":
+        budget_bytes, why = floor_of(model, batch, None, compiler=compiler)
+        if budget_bytes is None:
+            return {**row, "error": why}
+    else:
+        budget_bytes = int(float(budget) * eager.peak_bytes)
+    row["budget"] = budget_bytes
+    model.load_state_dict(state)
+    t0 = time.perf_counter()
+    module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler)
+    try:
+        _step(module, batch)  # plans and compiles
+    except fxmem.BudgetError as e:
+        return {**row, "refused": e.floor_bytes}
+    row["first_s"] = time.perf_counter() - t0
+    row["grad_err"] = overall_rel_err(grads_of(model), ref)
+    zero_grads(model)
+    model.load_state_dict(state)
+    got = fxmem.measure(_step, module, batch)
+    zero_grads(model)
+    plan = module.plan
+    fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v)
+    return {**row, "measured": got.peak_bytes, "predicted": plan.predicted_peak_bytes, "fired": fired}
+
+
+def _line(r: dict) -> str:
+    head = f"| {r['model']} | {r['eager'] / MiB:.2f} | "
+    if "error" in r:
+        return head + f"— | — | — | | {r['error']} | | |"
+    if "refused" in r:
+        return head + f"{r['budget'] / MiB:.2f} | — | — | refused: floor {r['refused'] / MiB:.2f} | | | |"
+    held = "yes" if r["measured"] <= r["budget"] else "**no**"
+    return head + (
+        f"{r['budget'] / MiB:.2f} | {r['measured'] / MiB:.2f} | {r['predicted'] / MiB:.2f} | {held} | "
+        f"{r['grad_err']:.1e} | {r['fired'] or '—'} | {r['first_s']:.1f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="")
+    ap.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
+    ap.add_argument("--budget", default="0.5", help="a fraction of eager's measured peak, or 'floor'")
+    args = ap.parse_args(argv)
+    if args.budget != "floor":
+        try:
+            if not 0 < float(args.budget) <= 1:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--budget must be a fraction in (0, 1] or 'floor', got {args.budget!r}")
+    models = _models()
+    names = [m for m in args.models.split(",") if m] or list(models)
+    unknown = sorted(set(names) - set(models))
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; available: {sorted(models)}")
+    print(f"# HF architectures, compiler={args.compiler}, budget {args.budget}\n\n{machine_line('cpu')}\n")
+    print(
+        "| model | eager MiB | budget MiB | measured MiB | predicted MiB | held | grad rel err | passes fired | first call s |"
+    )
+    print("|---|---:|---:|---:|---:|:-:|---:|---|---:|")
+    failed = 0
+    for name in names:
+        try:
+            r = run(name, models[name], args.compiler, args.budget)
+        except Exception as e:  # noqa: BLE001 -- a model that fails is a row of the table
+            r = {"model": name, "eager": 0, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        print(_line(r), flush=True)
+        failed += "error" in r or ("measured" in r and (r["measured"] > r["budget"] or r["grad_err"] > GRAD_TOL))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
