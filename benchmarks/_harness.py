@@ -49,8 +49,11 @@ __all__ = [
     "floor_of",
     "free_memory",
     "fxmem_config",
+    "eager_at",
+    "fxmem_at",
     "grads_of",
     "overall_rel_err",
+    "train_step",
     "warm_up_at_floor",
     "zero_grads",
 ]
@@ -93,6 +96,52 @@ def overall_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
     diff = sum(((got[k] - ref[k]).double() ** 2).sum() for k in ref) ** 0.5
     norm = sum((ref[k].double() ** 2).sum() for k in ref) ** 0.5
     return float(diff / norm)
+
+
+def train_step(module: Callable, batch: Batch) -> torch.Tensor:
+    """Forward and backward of one batch; returns the loss, detached."""
+    loss = _loss(call_model(module, batch))
+    loss.backward()
+    return loss.detach()
+
+
+def eager_at(model: nn.Module, batch: Batch, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Eager's measured step (after a warm-up step) and its gradients. `state` (the model's
+    state dict: batch norm's running statistics) is put back before each step; the model is
+    left without gradients, in that state."""
+    train_step(model, batch)
+    zero_grads(model)
+    model.load_state_dict(state)
+    measured = fxmem.measure(train_step, model, batch)
+    grads = grads_of(model)
+    zero_grads(model)
+    model.load_state_dict(state)
+    return measured, grads
+
+
+def fxmem_at(
+    model: nn.Module,
+    batch: Batch,
+    state: dict[str, torch.Tensor],
+    budget_bytes: int,
+    compiler: str,
+    ref: dict[str, torch.Tensor],
+) -> tuple[nn.Module, float, float, Any]:
+    """`fxmem.optimize` at `budget_bytes`: the module, the first step's seconds (planning and
+    compiling; a refused budget raises its BudgetError), that step's gradients' error against
+    `ref` (`overall_rel_err`), and one measured step (no copy of the gradients alive in it).
+    `state` is put back before each step, as in `eager_at`."""
+    module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler)
+    t0 = time.perf_counter()
+    train_step(module, batch)
+    first_s = time.perf_counter() - t0
+    grad_err = overall_rel_err(grads_of(model), ref)
+    zero_grads(model)
+    model.load_state_dict(state)
+    measured = fxmem.measure(train_step, module, batch)
+    zero_grads(model)
+    model.load_state_dict(state)
+    return module, first_s, grad_err, measured
 
 
 def _grads_numpy(model: nn.Module) -> dict[str, np.ndarray]:

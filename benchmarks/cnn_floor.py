@@ -35,16 +35,14 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import fxmem  # noqa: E402
-from benchmarks._harness import floor_of, grads_of, overall_rel_err, zero_grads  # noqa: E402
+from benchmarks._harness import eager_at, floor_of, fxmem_at, grads_of, overall_rel_err, train_step  # noqa: E402
+from benchmarks._models import Batch  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 from fxmem.testing import ConvNet  # noqa: E402
 
 __all__ = ["main"]
 
 GRAD_FACTOR = 10  # fxmem's gradient error against fp64's, at most this many times eager's
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class UNet(nn.Module):
@@ -88,12 +86,6 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
 }
 
 
-def _step(model: nn.Module, batch: Batch) -> torch.Tensor:
-    loss = model(*batch)
-    loss.backward()
-    return loss.detach()
-
-
 def run(name: str, compiler: str) -> dict:
     """One model under one compiler at its floor; the model's buffers (batch norm's running
     statistics) are put back before every step, so each starts from the same state."""
@@ -102,30 +94,20 @@ def run(name: str, compiler: str) -> dict:
     model.train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     wide = copy.deepcopy(model).double()
-    _step(wide, tuple(t.double() if t.is_floating_point() else t for t in batch))
+    train_step(wide, tuple(t.double() if t.is_floating_point() else t for t in batch))
     ref64 = {k: g.float() for k, g in grads_of(wide).items()}
     del wide
-    _step(model, batch)  # warm-up
-    zero_grads(model)
-    model.load_state_dict(state)
-    eager = fxmem.measure(_step, model, batch)
-    eager_err = overall_rel_err(grads_of(model), ref64)
-    zero_grads(model)
-    model.load_state_dict(state)
+    eager, eager_grads = eager_at(model, batch, state)
+    eager_err = overall_rel_err(eager_grads, ref64)
+    del eager_grads  # not alive while fxmem plans and is measured
     floor, why = floor_of(model, batch, None, compiler=compiler)
     row = {"model": name, "compiler": compiler, "eager": eager.peak_bytes, "floor": floor, "why": why}
     row["eager_err"] = eager_err
     if floor is None:
         return row
     model.load_state_dict(state)
-    module = fxmem.optimize(model, (floor + 0.5) / 2**30, compiler=compiler)
-    _step(module, batch)  # plans and compiles
-    row["grad_err"] = overall_rel_err(grads_of(model), ref64)
-    zero_grads(model)
-    model.load_state_dict(state)
-    got = fxmem.measure(_step, module, batch)
-    zero_grads(model)
-    row.update(measured=got.peak_bytes, predicted=module.plan.predicted_peak_bytes)
+    module, _, grad_err, got = fxmem_at(model, batch, state, floor, compiler, ref64)
+    row.update(grad_err=grad_err, measured=got.peak_bytes, predicted=module.plan.predicted_peak_bytes)
     return row
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,18 +28,17 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fxmem  # noqa: E402
-from benchmarks._harness import floor_of, grads_of, overall_rel_err, zero_grads  # noqa: E402
+from benchmarks._harness import eager_at, floor_of, fxmem_at  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 
 __all__ = ["main"]
 
 GRAD_TOL = 1e-4
 VOCAB, BATCH, SEQ = 512, 8, 512
+_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)  # every transformer's
 _DECODER = dict(
+    _SHAPE,
     vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
     intermediate_size=128,
     max_position_embeddings=SEQ,
     bos_token_id=0,
@@ -92,30 +90,16 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
         "opt": lm(
             T.OPTForCausalLM,
             T.OPTConfig(
+                **_SHAPE,
                 vocab_size=VOCAB,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
                 ffn_dim=128,
                 max_position_embeddings=SEQ,
                 dropout=0,
                 attention_dropout=0,
                 word_embed_proj_dim=64,
-            ),  # fmt: skip
+            ),
         ),
-        "bert": lm(
-            T.BertForMaskedLM,
-            T.BertConfig(
-                vocab_size=VOCAB,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=SEQ,
-                hidden_dropout_prob=0,
-                attention_probs_dropout_prob=0,
-            ),  # fmt: skip
-        ),
+        "bert": lm(T.BertForMaskedLM, T.BertConfig(**_DECODER, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
         "t5": lm(
             T.T5ForConditionalGeneration,
             T.T5Config(
@@ -127,21 +111,19 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
                 num_heads=4,
                 dropout_rate=0,
                 decoder_start_token_id=0,
-            ),  # fmt: skip
+            ),
         ),
         "vit": vision(
             T.ViTForImageClassification,
             T.ViTConfig(
+                **_SHAPE,
+                intermediate_size=128,
                 image_size=128,
                 patch_size=8,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
                 num_labels=10,
                 hidden_dropout_prob=0,
                 attention_probs_dropout_prob=0,
-            ),  # fmt: skip
+            ),
         ),
         "resnet": vision(
             T.ResNetForImageClassification,
@@ -154,49 +136,36 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
     }
 
 
-def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach()
-
-
 def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
     """One model; its buffers (batch norm's statistics) are put back before every step."""
     torch.manual_seed(0)
     model, batch = build()
     model.train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    _step(model, batch)  # warm-up
-    zero_grads(model)
-    model.load_state_dict(state)
-    eager = fxmem.measure(_step, model, batch)
-    ref = grads_of(model)
-    zero_grads(model)
-    model.load_state_dict(state)
+    eager, ref = eager_at(model, batch, state)
     row: dict[str, Any] = {"model": name, "eager": eager.peak_bytes}
     if budget == "floor":
         budget_bytes, why = floor_of(model, batch, None, compiler=compiler)
         if budget_bytes is None:
             return {**row, "error": why}
+        model.load_state_dict(state)
     else:
         budget_bytes = int(float(budget) * eager.peak_bytes)
     row["budget"] = budget_bytes
-    model.load_state_dict(state)
-    t0 = time.perf_counter()
-    module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler)
     try:
-        _step(module, batch)  # plans and compiles
+        module, first_s, grad_err, got = fxmem_at(model, batch, state, budget_bytes, compiler, ref)
     except fxmem.BudgetError as e:
         return {**row, "refused": e.floor_bytes}
-    row["first_s"] = time.perf_counter() - t0
-    row["grad_err"] = overall_rel_err(grads_of(model), ref)
-    zero_grads(model)
-    model.load_state_dict(state)
-    got = fxmem.measure(_step, module, batch)
-    zero_grads(model)
     plan = module.plan
     fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v)
-    return {**row, "measured": got.peak_bytes, "predicted": plan.predicted_peak_bytes, "fired": fired}
+    return {
+        **row,
+        "first_s": first_s,
+        "grad_err": grad_err,
+        "measured": got.peak_bytes,
+        "predicted": plan.predicted_peak_bytes,
+        "fired": fired,
+    }
 
 
 def _line(r: dict) -> str:
