@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -107,12 +107,14 @@ def is_aten_op(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
-def fake_rerun(node: torch.fx.Node) -> Any:
-    """`node`'s op run again on its inputs' fake values: a value like `node.meta["val"]` in a
-    storage of its own (views of a tensor so made share its storage)."""
+def fake_rerun(node: torch.fx.Node, value_of: Callable[[torch.fx.Node], Any] | None = None) -> Any:
+    """`node`'s op run again on its inputs' fake values (or on `value_of(input)`, fake values of
+    other layouts): a value like `node.meta["val"]` in a storage of its own (views of a tensor
+    so made share its storage)."""
     from torch._guards import detect_fake_mode
 
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+    value_of = value_of or (lambda a: a.meta["val"])
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
     mode = detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
     with mode:
         return node.target(*args, **kwargs)

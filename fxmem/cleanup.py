@@ -9,20 +9,25 @@ The other way round, a copy inductor would make unseen is made a node of the gra
 convolution on CPU, inductor runs convolutions channels-last, so a graph input read by one (a
 batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
 node the copy is counted, kept from the forward (inductor keeps one for the backward whatever
-the plan says).
+the plan says). So is the copy inductor makes for a view a channels-last value cannot take.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
+from fxmem import kernels
+from fxmem.graph import aliased_input
 
-__all__ = ["copy_conv_inputs_channels_last", "remove_redundant_clones"]
+__all__ = ["copy_conv_inputs_channels_last", "copy_views_of_channels_last", "remove_redundant_clones"]
 
 _CLONE = torch.ops.aten.clone.default
 _CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
@@ -87,3 +92,88 @@ def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
 def _conv_input(node: fx.Node) -> fx.Node | None:
     """The input (not the weight) a convolution or its backward reads."""
     return node.args[0] if node.target is _CONVS[0] else node.args[1]
+
+
+def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
+    """Where inductor runs convolutions channels-last, make explicit the copies it makes for
+    views that channels-last values cannot take.
+
+    The joint graph's values are traced contiguous. Inductor writes convolution outputs (and
+    the input gradients of their backward) channels-last, and what reads them keeps that
+    layout (element-wise ops, pooling, its indices); a view that merges the channel dimension
+    with another (a pooling backward's (N*C, H*W) index and gradient) then cannot alias its
+    input: inductor writes its input to memory and copies it contiguous. Each such view here
+    reads a contiguous clone of its input instead, a node the plan counts (see
+    kernels.LAYOUT_COPY); values are unchanged, and inductor no longer writes the input out.
+    The layouts are found by running the graph's fake values again with convolution outputs
+    made channels-last (element-wise ops and views derive theirs from their inputs; other ops
+    that read a channels-last value write one). Returns how many views were given a copy.
+    """
+    if not tp.inductor_layout_optimization(gm):
+        return 0
+    laid: dict[fx.Node, object] = {}  # node -> its value in inductor's layouts
+    copies = 0
+    retraced: set[fx.Node] = set()  # views now of a copy: their fake values alias it
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if node.op == "call_function" and node.target is operator.getitem:
+            whole = laid.get(node.args[0])
+            laid[node] = whole[node.args[1]] if isinstance(whole, (tuple, list)) else val
+            continue
+        relaid = [a for a in node.all_input_nodes if laid.get(a) is not a.meta.get("val")]
+        if node.op != "call_function" or not tp.is_aten_op(node.target) or not (relaid or node.target in _CONVS):
+            laid[node] = val  # as traced: nothing it reads is laid out otherwise
+            continue
+        try:
+            got = tp.fake_rerun(node, lambda a: laid.get(a, a.meta.get("val")))
+        except (RuntimeError, ValueError):
+            laid[node] = val
+            if node.target not in _VIEWS:
+                continue
+            src = node.args[0]
+            with gm.graph.inserting_before(node):
+                copy = gm.graph.call_function(_CLONE, (src,), {"memory_format": torch.contiguous_format})
+            copy.meta["val"] = src.meta["val"].clone(memory_format=torch.contiguous_format)
+            copy.meta[kernels.LAYOUT_COPY] = True
+            node.replace_input_with(src, copy)
+            copies += 1
+            retraced.add(node)
+            continue
+        if node.target in _CONVS or (not _keeps_layout(node) and _reads_channels_last(node.all_input_nodes, laid)):
+            got = _channels_last(got)
+        laid[node] = got
+    for node in gm.graph.nodes:
+        if node in retraced or (node.op == "call_function" and aliased_input(node) in retraced):
+            node.meta["val"] = tp.fake_rerun(node)
+            retraced.add(node)
+    if copies:
+        gm.graph.lint()
+        gm.recompile()
+    return copies
+
+
+def _keeps_layout(node: fx.Node) -> bool:
+    """Ops whose fake values already follow their inputs' layout: element-wise ops keep it, views
+    and permutes derive theirs from it."""
+    return torch.Tag.pointwise in getattr(node.target, "tags", ()) or aliased_input(node) is not None
+
+
+def _reads_channels_last(inputs: list[fx.Node], laid: dict) -> bool:
+    """Whether an op reads a 4-d value laid out channels-last: inductor orders a kernel's loops,
+    and so its outputs, by the layout of what it reads (eager's kernels keep it too)."""
+    return any(
+        isinstance(v := laid.get(a), torch.Tensor)
+        and v.ndim == 4
+        and v.is_contiguous(memory_format=torch.channels_last)
+        and not v.is_contiguous()
+        for a in inputs
+    )
+
+
+def _channels_last(got):
+    """`got`'s 4-d tensors (of a tuple of results too) laid out channels-last."""
+    if isinstance(got, (tuple, list)):
+        return type(got)(_channels_last(g) for g in got)
+    if isinstance(got, torch.Tensor) and got.ndim == 4:
+        return got.contiguous(memory_format=torch.channels_last)
+    return got

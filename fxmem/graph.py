@@ -22,7 +22,7 @@ from fxmem import kernels
 from fxmem.cost import CostModel, tensor_bytes
 from fxmem.probe import workspace_bytes
 
-__all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph", "module_path", "source_line"]
+__all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph", "aliased_input", "module_path", "source_line"]
 
 PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
 
@@ -101,7 +101,7 @@ def transient_bytes(node: fx.Node) -> int:
     return rule(node) if rule is not None else 0
 
 
-def _aliased_input(node: fx.Node) -> fx.Node | None:
+def aliased_input(node: fx.Node) -> fx.Node | None:
     """The input a view op's output aliases (None for ops that return new memory)."""
     schema = getattr(node.target, "_schema", None)
     if schema is None or not schema.returns:
@@ -134,7 +134,7 @@ def _merge_view_storages(
 
     index = {n: i for i, n in enumerate(nodes)}
     for i, n in enumerate(nodes):
-        base = _aliased_input(n) if n.op == "call_function" else None
+        base = aliased_input(n) if n.op == "call_function" else None
         j = index.get(base) if base is not None else None
         if j is None or storage[i] < 0 or storage[j] < 0:
             continue
@@ -354,6 +354,23 @@ class JointGraph:
             if s >= 0:
                 nodes[s].append(i)
         return nodes
+
+    @functools.cached_property
+    def written_by_readers(self) -> list[int]:
+        """Fusible nodes a fusing compiler may compute late, when a library call that reads them
+        does (see `simulate._as_realized`): element-wise values (and copies into another
+        layout) written to storages of their own."""
+        if not self.fusible:
+            return []
+        return [
+            i
+            for i, s in enumerate(self.storage)
+            if s >= 0
+            and self.fusible[i]
+            and self.materialized[s]
+            and self.storage_maker[s] == i
+            and (self.inlinable[i] or self.nodes[i].meta.get(kernels.LAYOUT_COPY, False))
+        ]
 
     @functools.cached_property
     def early_gradients(self) -> frozenset[int]:

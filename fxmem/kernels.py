@@ -18,6 +18,7 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 
 __all__ = [
+    "LAYOUT_COPY",
     "is_fusible",
     "is_inlinable",
     "kernel_ops",
@@ -41,10 +42,17 @@ _STORED = {
 } | _SCATTERS  # fmt: skip
 # Besides: element-wise ops without the pointwise tag; constants are computed in their readers;
 # a lookup of rows (an embedding) is an indexed load.
-_FUSIBLE_NON_POINTWISE = _STORED | {"where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding"}
+_FUSIBLE_NON_POINTWISE = _STORED | {
+    "where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding",
+    "_low_memory_max_pool_offsets_to_indices",  # a max pooling's window offsets made indices
+}  # fmt: skip
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
 # inputs are copied into, by loops fused with the kernel around them.
 _WRITTEN_OUT = {"cat"}
+# node.meta key: a copy of a value into another layout, which its readers read from memory (see
+# cleanup.copy_views_of_channels_last): the loops writing it and those reading it run in
+# different orders, so no kernel both computes and reads it.
+LAYOUT_COPY = "fxmem_layout_copy"
 
 
 def is_inlinable(node: fx.Node) -> bool:
@@ -52,7 +60,7 @@ def is_inlinable(node: fx.Node) -> bool:
     output of a multi-output op, such as layer norm's mean, is inlinable when that op is)."""
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and is_inlinable(node.args[0])
-    return is_fusible(node) and op_name(node) not in _STORED
+    return is_fusible(node) and op_name(node) not in _STORED and not node.meta.get(LAYOUT_COPY)
 
 
 def is_fusible(node: fx.Node) -> bool:
@@ -149,7 +157,7 @@ def materialized_storages(
         s = storage[i]
         if s < 0 or i in folded:
             continue
-        if n.op == "placeholder" or not fusible[i] or op_name(n) in _WRITTEN_OUT:
+        if n.op == "placeholder" or not fusible[i] or op_name(n) in _WRITTEN_OUT or n.meta.get(LAYOUT_COPY):
             mat[s] = True
         elif any(not fusible[u] for u in users[i]) or not users[i]:
             mat[s] = True

@@ -34,7 +34,7 @@ from fxmem.again import (
     apply_second_recomputation,
     plan_second_recomputation,
 )
-from fxmem.cleanup import copy_conv_inputs_channels_last, remove_redundant_clones
+from fxmem.cleanup import copy_conv_inputs_channels_last, copy_views_of_channels_last, remove_redundant_clones
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
@@ -94,6 +94,7 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         storage_remap = remove_redundant_clones(joint)
         if req.compiler == "inductor":
             copy_conv_inputs_channels_last(joint)
+            copy_views_of_channels_last(joint)
         fusing = req.compiler == "inductor"
 
         def build(gm: fx.GraphModule) -> JointGraph:
@@ -204,7 +205,8 @@ def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModul
         elif jg.kind[i] == FWD and choice.saved[i]:
             saved_values.append(node)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
-    bw = _ordered_as(bw, [jg.nodes[i].name for i in choice.timeline.order[choice.timeline.boundary :]])
+    tl = choice.timeline
+    bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]])
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code()
         gm.recompile()

@@ -13,7 +13,8 @@ value only fusible ops read is never stored, so its inputs live until its last r
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
-compute them inline (see `kernels.stored_on_reuse`). Kernels never merge across a library call:
+compute them inline (see `kernels.stored_on_reuse`); an element-wise value a library call alone
+reads is computed right before that call, not where the graph has it (see `_as_realized`). Kernels never merge across a library call:
 fxmem's compile keeps inductor from fusing unrelated kernels across one (see
 `_torch_private._fusion_choices`). Each rule was checked against inductor's
 generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
@@ -58,6 +59,9 @@ class Timeline:
     # With `record_events`: (step, storage, +bytes) when a storage is charged, (step, storage,
     # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files).
     events: list[tuple[int, int, int]] | None = None
+    # The backward's nodes in the order the backward graph is emitted; `order` is the order a
+    # fusing compiler runs them in (see `_as_realized`). None: the same.
+    emitted: list[int] | None = None
 
 
 def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
@@ -142,8 +146,9 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     # Gradients of the outputs arrive as the backward starts: for outputs the loss does not
     # depend on (logits, caches) autograd materialises full-size zeros.
     tangents = [i for i, k in enumerate(jg.kind) if k == TANGENT]
-    order = fwd_order + tangents + bwd_order
+    emitted = fwd_order + tangents + bwd_order
     boundary = len(fwd_order)
+    order = _as_realized(jg, emitted, boundary) if jg.fusible else emitted
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = {storage[i] for i, k in enumerate(jg.kind) if k == PRIMAL and storage[i] >= 0}
@@ -276,7 +281,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     for s in saved_sids:
         free_t = last_b.get(s, boundary - 1)
         saved_interval[s] = (alloc_at.get(s, 0), end if s in pinned_end else free_t)
-    kinds = ["fwd"] * boundary + ["bwd"] * len(tangents) + ["recompute" if i in rset else "bwd" for i in bwd_order]
+    kinds = ["fwd"] * boundary + ["recompute" if i in rset else "bwd" for i in order[boundary:]]
     return Timeline(
         peak_bytes=peak,
         peak_pos=peak_pos,
@@ -290,7 +295,44 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         alive_at_snapshot=snapshot,
         events=events,
         recomputed_interval=recomputed_interval,
+        emitted=None if order == emitted else emitted[boundary:],
     )
+
+
+def _as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
+    """The order a fusing compiler runs the steps from `start` on, given the graph in `order`.
+
+    Inductor writes an element-wise value where the graph has it when several ops read it; a
+    value whose one reader is a library call (a convolution's or a matmul's input, read
+    directly or through views) it computes only when it gets to that call, right before it.
+    In between, what the value is computed from stays alive, and a recomputation placed there
+    (a convolution the backward runs again) runs beside it. Such a value's step, and its
+    views', move to just before that call.
+    """
+    pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
+    later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
+    for i in jg.written_by_readers:
+        t = pos.get(i)
+        if t is None:
+            continue
+        s = jg.storage[i]
+        holders = [j for j in jg.storage_nodes[s] if j in pos]
+        readers = [[u for u in jg.users[j] if u in pos] for j in holders]
+        outside = [u for us in readers for u in us if jg.storage[u] != s]
+        if len(outside) != 1 or jg.fusible[outside[0]] or any(len(us) > 1 for us in readers):
+            continue  # read by several: inductor writes it where it stands
+        call = pos[outside[0]]
+        if call > t + 1:
+            later.setdefault(call, []).extend(pos[j] for j in holders if t <= pos[j] < call)
+    if not later:
+        return order
+    moved = {k for steps in later.values() for k in steps}
+    out: list[int] = []
+    for t, i in enumerate(order):
+        out.extend(order[k] for k in sorted(later.get(t, ())))
+        if t not in moved:
+            out.append(i)
+    return out
 
 
 def _outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:

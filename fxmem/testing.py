@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ConvNet", "GPT", "GPTConfig", "ViT", "ViTConfig", "gpt_batch", "vit_batch"]
+__all__ = ["ConvNet", "GPT", "GPTConfig", "UNet", "ViT", "ViTConfig", "gpt_batch", "vit_batch"]
 
 
 @dataclass
@@ -127,6 +127,24 @@ class ConvNet(nn.Module):
         for block in self.blocks:
             x = F.relu(x + block(x))
         return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+
+class UNet(nn.Module):
+    """Encoder-decoder: GroupNorm, a strided and a transposed convolution, upsampling, a skip;
+    the loss is the mean squared error against a target image."""
+
+    def __init__(self):
+        super().__init__()
+        self.down1 = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU())
+        self.down2 = nn.Sequential(nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.SiLU())
+        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
+        self.out = nn.Conv2d(64, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        a = self.down1(x)
+        b = self.down2(a)
+        up = self.up(b) + F.interpolate(b, scale_factor=2, mode="nearest")[:, :32]
+        return F.mse_loss(self.out(torch.cat([a, up], 1)), target)
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.cleanup import copy_conv_inputs_channels_last
+from fxmem.cleanup import copy_conv_inputs_channels_last, copy_views_of_channels_last
+from fxmem.kernels import LAYOUT_COPY
 
 aten = torch.ops.aten
 
@@ -49,4 +50,39 @@ def test_inputs_already_channels_last_are_left_alone():
     x = x.contiguous(memory_format=torch.channels_last)
     gm = make_fx(_conv_step, tracing_mode="fake")(x, w, gy)
     assert copy_conv_inputs_channels_last(gm) == 0
+    assert not [n for n in gm.graph.nodes if n.target is aten.clone.default]
+
+
+def _views_of_conv_output(x, w):
+    y = aten.relu.default(aten.convolution.default(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
+    n, c, h, wd = y.shape
+    rows = aten.view.default(y, [n * c, h * wd])  # (N*C, H*W): merges N with C
+    planes = aten.view.default(y, [n, c, h * wd])  # merges H with W: either layout takes it
+    return rows.sum(1), planes.sum(2)
+
+
+def test_a_view_channels_last_values_cannot_take_reads_a_contiguous_copy():
+    """Inductor runs the convolution channels-last: viewing its output as (N*C, H*W) needs a
+    contiguous copy, which becomes a node of the graph; viewing it as (N, C, H*W) does not."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 1, 1, generator=g))
+    gm = make_fx(_views_of_conv_output, tracing_mode="fake")(*args)
+    assert copy_views_of_channels_last(gm) == 1
+    (copy,) = [n for n in gm.graph.nodes if n.meta.get(LAYOUT_COPY)]
+    assert copy.target is aten.clone.default and copy.args[0].target is aten.relu.default
+    (view,) = copy.users
+    assert view.target is aten.view.default and view.args[1] == [8, 64]
+    # the view's fake value now aliases the copy, not the convolution's output
+    assert view.meta["val"].untyped_storage()._cdata == copy.meta["val"].untyped_storage()._cdata
+    assert view.meta["val"].untyped_storage()._cdata != copy.args[0].meta["val"].untyped_storage()._cdata
+    for got, want in zip(gm(*args), _views_of_conv_output(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_views_without_convolutions_are_left_alone():
+    def step(x):
+        return aten.view.default(aten.relu.default(x), [8, 64]).sum(1)
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(2, 4, 8, 8))
+    assert copy_views_of_channels_last(gm) == 0
     assert not [n for n in gm.graph.nodes if n.target is aten.clone.default]

@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
-from fxmem.graph import JointGraph, _aliased_input, _is_impure, _is_random
+from fxmem.graph import JointGraph, _is_impure, _is_random, aliased_input
 from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
@@ -165,7 +165,7 @@ def test_inductor_prediction_matches_measured_peak(monkeypatch):
     # the planner still sees every view in its base's storage (else a saved softmax counts twice)
     jg = seen[-1][0]
     for i, node in enumerate(jg.nodes):
-        base = _aliased_input(node) if node.op == "call_function" else None
+        base = aliased_input(node) if node.op == "call_function" else None
         if base is not None and jg.storage[i] >= 0 and jg.storage[jg.index[base]] >= 0:
             assert jg.storage[i] == jg.storage[jg.index[base]], node.name
 
