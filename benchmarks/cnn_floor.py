@@ -33,33 +33,15 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._harness import eager_at, floor_of, fxmem_at, grads_of, overall_rel_err, train_step  # noqa: E402
 from benchmarks._models import Batch  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
-from fxmem.testing import ConvNet  # noqa: E402
+from fxmem.testing import ConvNet, UNet  # noqa: E402
 
 __all__ = ["main"]
 
 GRAD_FACTOR = 10  # fxmem's gradient error against fp64's, at most this many times eager's
-
-
-class UNet(nn.Module):
-    """Encoder-decoder: GroupNorm, a strided and a transposed convolution, upsampling, a skip."""
-
-    def __init__(self):
-        super().__init__()
-        self.down1 = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU())
-        self.down2 = nn.Sequential(nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.GroupNorm(8, 64), nn.SiLU())
-        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
-        self.out = nn.Conv2d(64, 3, 3, padding=1)
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        a = self.down1(x)
-        b = self.down2(a)
-        up = self.up(b) + F.interpolate(b, scale_factor=2, mode="nearest")[:, :32]
-        return F.mse_loss(self.out(torch.cat([a, up], 1)), target)
 
 
 class _HFResNet(nn.Module):
