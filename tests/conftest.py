@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
 
 import fxmem
 from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+# The repository root: tests build the benchmarks' models (`benchmarks.*`) rather than copies.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Small enough for a 2-core CPU, with attention activations large enough that remat matters.
 SMALL_GPT = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)

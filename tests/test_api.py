@@ -15,8 +15,9 @@ from _graphs import grad_err
 from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_grads
 
 import fxmem
+from benchmarks.cnn_floor import MODELS as CNNS
 from fxmem.measure import live_tensor_bytes
-from fxmem.testing import GPT, ConvNet, GPTConfig, UNet, gpt_batch
+from fxmem.testing import GPT, ConvNet, GPTConfig, gpt_batch
 
 MiB = 2**20
 
@@ -106,31 +107,6 @@ def test_batchnorm_running_stats_updated_once():
     assert max_rel_err(grads_of(planned), grads_of(eager)) < 1e-4
 
 
-def _hf_resnet() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10
-    )
-    net = transformers.ResNetForImageClassification._from_config(cfg)
-
-    class Classifier(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = net
-
-        def forward(self, pixels, labels):
-            return self.net(pixel_values=pixels, labels=labels).loss
-
-    return Classifier(), (torch.randn(32, 3, 128, 128), torch.randint(0, 10, (32,)))
-
-
-_CNNS = {
-    "convnet": lambda: (ConvNet(channels=32, blocks=2), (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,)))),
-    "unet": lambda: (UNet(), (torch.randn(8, 3, 96, 96), torch.randn(8, 3, 96, 96))),
-    "hf-resnet": _hf_resnet,
-}
-
-
 @pytest.mark.parametrize(
     "name, compiler",
     [("convnet", "eager"), ("convnet", "inductor"), ("unet", "inductor"), ("hf-resnet", "inductor")],
@@ -139,13 +115,16 @@ def test_cnn_held_at_its_floor(name, compiler):
     """CNNs at the smallest budget fxmem plans for: the measured peak is within the budget and
     within 3% of the predicted one. What the plan has to get right: run op by op, CPU
     convolutions' and batch norm's workspaces; under inductor, which runs convolutions
-    channels-last, the copies it makes for views channels-last values cannot take (a group
-    norm's groups, a max pooling's backward), and element-wise values it computes only when a
-    library call reads them (after a convolution the backward runs again). Batch-norm
+    channels-last, the copies it makes for views channels-last values cannot take (a max
+    pooling's backward), and element-wise values it computes only when a library call reads
+    them (after a convolution the backward runs again). The models and sizes are
+    benchmarks/cnn_floor.py's. Batch-norm
     gradients are ill-conditioned in fp32 (eager's own are 3e-4 from fp64's): fxmem's are held
     to the fp64 ones within ten times eager's error."""
+    if name == "hf-resnet":
+        pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, batch = _CNNS[name]()
+    model, batch = CNNS[name]()
     model.train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     wide = copy.deepcopy(model).double()
