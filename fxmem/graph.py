@@ -358,7 +358,7 @@ class JointGraph:
     @functools.cached_property
     def written_by_readers(self) -> list[int]:
         """Fusible nodes a fusing compiler may compute late, when a library call that reads them
-        does (see `simulate._as_realized`): element-wise values (and copies into another
+        does (see `schedule.as_realized`): element-wise values (and copies into another
         layout) written to storages of their own."""
         if not self.fusible:
             return []
@@ -397,7 +397,7 @@ class JointGraph:
     def shrinking(self) -> frozenset[int]:
         """Forward nodes that make less than the largest forward value they read (views,
         reductions): recomputed, they may join the backward as soon as their inputs are back
-        (see `simulate.backward_order`); larger ones wait until a reader asks for them."""
+        (see `schedule.backward_order`); larger ones wait until a reader asks for them."""
         out = set()
         for u in range(self.first_bwd):
             if self.kind[u] != FWD:
@@ -432,7 +432,7 @@ class JointGraph:
         alive while the second's input is recomputed, three activations at once. A library
         call whose output outweighs the inputs it might free, read only by later backward
         nodes and no gradient itself, is brought in just before its first reader instead
-        (see `simulate.backward_order`)."""
+        (see `schedule.backward_order`)."""
         outputs = set(self.bwd_outputs)
         out = set()
         for i in range(self.first_bwd, len(self.nodes)):

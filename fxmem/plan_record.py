@@ -23,7 +23,8 @@ from fxmem.errors import PlanMismatchError
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, module_path, source_line
 from fxmem.plan import Plan
 from fxmem.planner import Choice, Trajectory
-from fxmem.simulate import InfeasibleSave, simulate
+from fxmem.schedule import InfeasibleSave
+from fxmem.simulate import simulate
 
 __all__ = [
     "DYNAMIC_CATEGORIES",

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxmem.graph import FWD, PRIMAL, TANGENT, JointGraph
-from fxmem.simulate import InfeasibleSave, Timeline, simulate
+from fxmem.schedule import InfeasibleSave
+from fxmem.simulate import Timeline, simulate
 
 __all__ = ["Choice", "Trajectory", "plan_trajectory"]
 

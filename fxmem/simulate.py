@@ -1,12 +1,8 @@
 """Memory over time for one training step, given which forward values are saved.
 
-The forward runs the forward nodes in graph order. The backward runs the backward nodes from
-the first one that reads a gradient (a library call whose output outweighs what it frees waits
-for its first reader, see `JointGraph.deferred`), and brings in what each needs just before it needs it:
-forward values that were not saved are recomputed there, in graph order (this is the order
-the emitted backward graph has, see `partition._emit`). Every storage is freed after its last
-reader; saved storages live from the forward into the backward; outputs (the loss, gradients)
-live to the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+The step runs in the order `schedule` gives. Every storage is freed after its last reader;
+saved storages live from the forward into the backward; outputs (the loss, gradients) live to
+the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
 
 For a fusing compiler (inductor) the simulation follows its kernels rather than its ops: a
 value only fusible ops read is never stored, so its inputs live until its last reader (each
@@ -14,15 +10,15 @@ reader's kernel computes it again); a kernel holds what it reads until it has wr
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
 compute them inline (see `kernels.stored_on_reuse`); an element-wise value a library call alone
-reads is computed right before that call, not where the graph has it (see `_as_realized`). Kernels never merge across a library call:
-fxmem's compile keeps inductor from fusing unrelated kernels across one (see
-`_torch_private._fusion_choices`). Each rule was checked against inductor's
-generated code and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
+reads is computed right before that call, not where the graph has it (see
+`schedule.as_realized`). Kernels never merge across a library call: fxmem's compile keeps
+inductor from fusing unrelated kernels across one (see `_torch_private._fusion_choices`). Each
+rule was checked against inductor's generated code and `fxmem.measure` on GPT,
+GPT-with-dropout and ViT floors.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -30,16 +26,9 @@ import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
 from fxmem.probe import workspace_bytes
+from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
-__all__ = ["InfeasibleSave", "Timeline", "simulate"]
-
-
-class InfeasibleSave(Exception):
-    """The saved set makes the backward recompute a node that must run only once."""
-
-    def __init__(self, node_index: int):
-        super().__init__(node_index)
-        self.node_index = node_index
+__all__ = ["Timeline", "simulate"]
 
 
 @dataclass
@@ -60,81 +49,8 @@ class Timeline:
     # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files).
     events: list[tuple[int, int, int]] | None = None
     # The backward's nodes in the order the backward graph is emitted; `order` is the order a
-    # fusing compiler runs them in (see `_as_realized`). None: the same.
+    # fusing compiler runs them in (see `schedule.as_realized`). None: the same.
     emitted: list[int] | None = None
-
-
-def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
-    """Backward schedule and the forward nodes it recomputes."""
-    n = len(jg.nodes)
-    done = [False] * n
-    for i, k in enumerate(jg.kind):
-        if k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])):
-            done[i] = True
-    # Forward nodes the backward will need (so will recompute, if they are not saved).
-    needed = [False] * n
-    for i in range(n - 1, -1, -1):
-        needed[i] = jg.kind[i] == BWD or any(needed[u] and not done[u] for u in jg.users[i])
-    order: list[int] = []
-    recomputed: list[int] = []
-
-    def emit(i: int) -> None:
-        if jg.kind[i] == FWD:
-            if jg.banned[i]:
-                raise InfeasibleSave(i)
-            recomputed.append(i)
-        done[i] = True
-        order.append(i)
-
-    early, parts = jg.early_gradients, jg.tuple_parts
-
-    def extra(u: int) -> bool:
-        """May run early, though nothing asked for it yet: see `bring`."""
-        if u in early or (u in parts and needed[u] and not jg.banned[u]):
-            return not done[u]  # an early gradient, or an output of an op just run
-        if not (u < jg.first_bwd and needed[u] and not done[u] and not jg.banned[u]):
-            return False
-        return jg.kind[u] == BWD or u in jg.shrinking
-
-    def bring(root: int) -> None:
-        """Run `root` and whatever it needs that is not there, in graph order.
-
-        Readers of what is brought that stand before the gradients in the graph (values only
-        the backward reads; recomputed forward values smaller than what they read: views,
-        reductions) join in as soon as their inputs are there rather than when the backward
-        first asks for them: a loop run in the backward (the chunked loss's chunks) then frees
-        each chunk's values before the next starts. So do gradients that sum a larger value (a
-        bias's), which then need not hold it. A recomputed value as large as what it reads
-        waits until asked for: groups of attention heads, or chunks of an MLP's rows, are
-        recomputed one at a time, each beside its own gradient, not all at once.
-        """
-        if done[root]:
-            return
-        todo, seen = [root], {root}
-        while todo:
-            i = todo.pop()
-            for j in jg.inputs[i]:
-                if not done[j] and j not in seen:
-                    seen.add(j)
-                    todo.append(j)
-        ready = [i for i in seen if all(done[j] for j in jg.inputs[i])]
-        heapq.heapify(ready)
-        queued = set(ready)
-        while ready:
-            i = heapq.heappop(ready)
-            emit(i)
-            for u in jg.users[i]:
-                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in jg.inputs[u]):
-                    queued.add(u)
-                    heapq.heappush(ready, u)
-
-    deferred = jg.deferred
-    for i in range(jg.first_bwd, n):
-        if jg.kind[i] == BWD and i not in deferred:
-            bring(i)
-    for i in jg.bwd_outputs:
-        bring(i)
-    return order, recomputed
 
 
 def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:
@@ -148,7 +64,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     tangents = [i for i, k in enumerate(jg.kind) if k == TANGENT]
     emitted = fwd_order + tangents + bwd_order
     boundary = len(fwd_order)
-    order = _as_realized(jg, emitted, boundary) if jg.fusible else emitted
+    order = as_realized(jg, emitted, boundary) if jg.fusible else emitted
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = {storage[i] for i, k in enumerate(jg.kind) if k == PRIMAL and storage[i] >= 0}
@@ -210,7 +126,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     last_read_at: dict[tuple[int, int], int] = {}  # (kernel end, storage) -> step of the last read
     kernel_end: list[int] = []
     if jg.fusible:
-        kernel_end = _kernel_ends([jg.fusible[i] for i in order])
+        kernel_end = kernel_ends([jg.fusible[i] for i in order])
         moved: dict[int, list[int]] = {}
         for t, sids in frees.items():
             k = kernel_end[t] if t < len(order) else t
@@ -229,9 +145,9 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     curve = []
     recomputed_sids = {storage[i] for i in recomputed}
     recomputed_interval: dict[int, tuple[int, int]] = {}
-    made_at = _outputs_made_at(jg, order)
+    made_at = outputs_made_at(jg, order)
     for t, i in enumerate(order):
-        # A library call writes all its outputs while its inputs live (`_outputs_made_at`).
+        # A library call writes all its outputs while its inputs live (`outputs_made_at`).
         for s in (*made_at.get(t, ()), storage[i]):
             if s < 0 or s in static or s in alive:
                 continue
@@ -297,59 +213,6 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         recomputed_interval=recomputed_interval,
         emitted=None if order == emitted else emitted[boundary:],
     )
-
-
-def _as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
-    """The order a fusing compiler runs the steps from `start` on, given the graph in `order`.
-
-    Inductor writes an element-wise value where the graph has it when several ops read it; a
-    value whose one reader is a library call (a convolution's or a matmul's input, read
-    directly or through views) it computes only when it gets to that call, right before it.
-    In between, what the value is computed from stays alive, and a recomputation placed there
-    (a convolution the backward runs again) runs beside it. Such a value's step, and its
-    views', move to just before that call.
-    """
-    pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
-    later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
-    for i in jg.written_by_readers:
-        t = pos.get(i)
-        if t is None:
-            continue
-        s = jg.storage[i]
-        holders = [j for j in jg.storage_nodes[s] if j in pos]
-        readers = [[u for u in jg.users[j] if u in pos] for j in holders]
-        outside = [u for us in readers for u in us if jg.storage[u] != s]
-        if len(outside) != 1 or jg.fusible[outside[0]] or any(len(us) > 1 for us in readers):
-            continue  # read by several: inductor writes it where it stands
-        call = pos[outside[0]]
-        if call > t + 1:
-            later.setdefault(call, []).extend(pos[j] for j in holders if t <= pos[j] < call)
-    if not later:
-        return order
-    moved = {k for steps in later.values() for k in steps}
-    out: list[int] = []
-    for t, i in enumerate(order):
-        out.extend(order[k] for k in sorted(later.get(t, ())))
-        if t not in moved:
-            out.append(i)
-    return out
-
-
-def _outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:
-    """Step -> storages of the outputs a multi-output library call (attention, its backward)
-    writes at that step: all of them, before it frees what it read, though the graph takes
-    them out one `getitem` at a time afterwards."""
-    pos = {i: t for t, i in enumerate(order)}
-    out: dict[int, list[int]] = {}
-    for t, i in enumerate(order):
-        if jg.storage[i] >= 0 or (jg.fusible and jg.fusible[i]):
-            continue
-        inputs = {jg.storage[j] for j in jg.inputs[i]}
-        for u in jg.users[i]:
-            s = jg.storage[u]
-            if u in jg.tuple_parts and s >= 0 and s not in inputs and pos.get(u, -1) > t:
-                out.setdefault(t, []).append(s)
-    return out
 
 
 def _extend_through_unstored(
@@ -431,17 +294,6 @@ def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:
 
     readers = [u for j in jg.storage_nodes[r] for u in jg.users[j]]
     return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in _reach(readers, onward))
-
-
-def _kernel_ends(fusible: list[bool]) -> list[int]:
-    """Per step, the last step of the run of fusible ops it belongs to (itself if none): a
-    fusing compiler runs such a run as one kernel, which holds every buffer it reads until it
-    has written every buffer it makes."""
-    end = list(range(len(fusible)))
-    for t in range(len(fusible) - 2, -1, -1):
-        if fusible[t] and fusible[t + 1]:
-            end[t] = end[t + 1]
-    return end
 
 
 def _storage_key(node, remap: dict[int, int]) -> int | None:

@@ -22,7 +22,8 @@ from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import workspace_bytes
-from fxmem.simulate import _kernel_ends, _outputs_made_at, _reads_in_place, simulate, simulate_modules
+from fxmem.schedule import kernel_ends, outputs_made_at
+from fxmem.simulate import _reads_in_place, simulate, simulate_modules
 from fxmem.testing import GPT, GPTConfig, ViT, ViTBlock, ViTConfig, gpt_batch, vit_batch
 
 
@@ -255,8 +256,8 @@ def test_a_matmul_sum_accumulated_over_a_loop_holds_two_sums():
 
 def test_a_fused_kernel_holds_what_it_reads_until_it_ends():
     # steps 0-1 and 3-4 are runs of fusible ops (one kernel each); 2 is a library call
-    assert _kernel_ends([True, True, False, True, True]) == [1, 1, 2, 4, 4]
-    assert _kernel_ends([False, True, False]) == [0, 1, 2]
+    assert kernel_ends([True, True, False, True, True]) == [1, 1, 2, 4, 4]
+    assert kernel_ends([False, True, False]) == [0, 1, 2]
 
 
 def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
@@ -385,7 +386,7 @@ def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
         tuple_parts=frozenset(getitems),
     )  # fmt: skip
     call = next(i for i, n in enumerate(nodes) if "flash" in str(n.target))
-    made = _outputs_made_at(jg, order)
+    made = outputs_made_at(jg, order)
     assert len(getitems) == 2 and sorted(made[call]) == getitems
 
 

@@ -1,0 +1,165 @@
+"""The order one training step runs in, given which forward values are saved.
+
+The forward runs the forward nodes in graph order. The backward runs the backward nodes from
+the first one that reads a gradient (a library call whose output outweighs what it frees waits
+for its first reader, see `JointGraph.deferred`), and brings in what each needs just before it
+needs it: forward values that were not saved are recomputed there, in graph order (this is the
+order the emitted backward graph has, see `partition._emit`). A fusing compiler (inductor) then
+runs that graph its own way: an element-wise value a library call alone reads is computed right
+before that call (`as_realized`); a run of fusible ops is one kernel (`kernel_ends`); a
+multi-output library call writes all its outputs at once (`outputs_made_at`). `simulate` counts
+memory over this order.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
+
+__all__ = ["InfeasibleSave", "as_realized", "backward_order", "kernel_ends", "outputs_made_at"]
+
+
+class InfeasibleSave(Exception):
+    """The saved set makes the backward recompute a node that must run only once."""
+
+    def __init__(self, node_index: int):
+        super().__init__(node_index)
+        self.node_index = node_index
+
+
+def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
+    """Backward schedule and the forward nodes it recomputes."""
+    n = len(jg.nodes)
+    done = [False] * n
+    for i, k in enumerate(jg.kind):
+        if k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])):
+            done[i] = True
+    # Forward nodes the backward will need (so will recompute, if they are not saved).
+    needed = [False] * n
+    for i in range(n - 1, -1, -1):
+        needed[i] = jg.kind[i] == BWD or any(needed[u] and not done[u] for u in jg.users[i])
+    order: list[int] = []
+    recomputed: list[int] = []
+
+    def emit(i: int) -> None:
+        if jg.kind[i] == FWD:
+            if jg.banned[i]:
+                raise InfeasibleSave(i)
+            recomputed.append(i)
+        done[i] = True
+        order.append(i)
+
+    early, parts = jg.early_gradients, jg.tuple_parts
+
+    def extra(u: int) -> bool:
+        """May run early, though nothing asked for it yet: see `bring`."""
+        if u in early or (u in parts and needed[u] and not jg.banned[u]):
+            return not done[u]  # an early gradient, or an output of an op just run
+        if not (u < jg.first_bwd and needed[u] and not done[u] and not jg.banned[u]):
+            return False
+        return jg.kind[u] == BWD or u in jg.shrinking
+
+    def bring(root: int) -> None:
+        """Run `root` and whatever it needs that is not there, in graph order.
+
+        Readers of what is brought that stand before the gradients in the graph (values only
+        the backward reads; recomputed forward values smaller than what they read: views,
+        reductions) join in as soon as their inputs are there rather than when the backward
+        first asks for them: a loop run in the backward (the chunked loss's chunks) then frees
+        each chunk's values before the next starts. So do gradients that sum a larger value (a
+        bias's), which then need not hold it. A recomputed value as large as what it reads
+        waits until asked for: groups of attention heads, or chunks of an MLP's rows, are
+        recomputed one at a time, each beside its own gradient, not all at once.
+        """
+        if done[root]:
+            return
+        todo, seen = [root], {root}
+        while todo:
+            i = todo.pop()
+            for j in jg.inputs[i]:
+                if not done[j] and j not in seen:
+                    seen.add(j)
+                    todo.append(j)
+        ready = [i for i in seen if all(done[j] for j in jg.inputs[i])]
+        heapq.heapify(ready)
+        queued = set(ready)
+        while ready:
+            i = heapq.heappop(ready)
+            emit(i)
+            for u in jg.users[i]:
+                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in jg.inputs[u]):
+                    queued.add(u)
+                    heapq.heappush(ready, u)
+
+    deferred = jg.deferred
+    for i in range(jg.first_bwd, n):
+        if jg.kind[i] == BWD and i not in deferred:
+            bring(i)
+    for i in jg.bwd_outputs:
+        bring(i)
+    return order, recomputed
+
+
+def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
+    """The order a fusing compiler runs the steps from `start` on, given the graph in `order`.
+
+    Inductor writes an element-wise value where the graph has it when several ops read it; a
+    value whose one reader is a library call (a convolution's or a matmul's input, read
+    directly or through views) it computes only when it gets to that call, right before it.
+    In between, what the value is computed from stays alive, and a recomputation placed there
+    (a convolution the backward runs again) runs beside it. Such a value's step, and its
+    views', move to just before that call.
+    """
+    pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
+    later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
+    for i in jg.written_by_readers:
+        t = pos.get(i)
+        if t is None:
+            continue
+        s = jg.storage[i]
+        holders = [j for j in jg.storage_nodes[s] if j in pos]
+        readers = [[u for u in jg.users[j] if u in pos] for j in holders]
+        outside = [u for us in readers for u in us if jg.storage[u] != s]
+        if len(outside) != 1 or jg.fusible[outside[0]] or any(len(us) > 1 for us in readers):
+            continue  # read by several: inductor writes it where it stands
+        call = pos[outside[0]]
+        if call > t + 1:
+            later.setdefault(call, []).extend(pos[j] for j in holders if t <= pos[j] < call)
+    if not later:
+        return order
+    moved = {k for steps in later.values() for k in steps}
+    out: list[int] = []
+    for t, i in enumerate(order):
+        out.extend(order[k] for k in sorted(later.get(t, ())))
+        if t not in moved:
+            out.append(i)
+    return out
+
+
+def outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:
+    """Step -> storages of the outputs a multi-output library call (attention, its backward)
+    writes at that step: all of them, before it frees what it read, though the graph takes
+    them out one `getitem` at a time afterwards."""
+    pos = {i: t for t, i in enumerate(order)}
+    out: dict[int, list[int]] = {}
+    for t, i in enumerate(order):
+        if jg.storage[i] >= 0 or (jg.fusible and jg.fusible[i]):
+            continue
+        inputs = {jg.storage[j] for j in jg.inputs[i]}
+        for u in jg.users[i]:
+            s = jg.storage[u]
+            if u in jg.tuple_parts and s >= 0 and s not in inputs and pos.get(u, -1) > t:
+                out.setdefault(t, []).append(s)
+    return out
+
+
+def kernel_ends(fusible: list[bool]) -> list[int]:
+    """Per step, the last step of the run of fusible ops it belongs to (itself if none): a
+    fusing compiler runs such a run as one kernel, which holds every buffer it reads until it
+    has written every buffer it makes."""
+    end = list(range(len(fusible)))
+    for t in range(len(fusible) - 2, -1, -1):
+        if fusible[t] and fusible[t + 1]:
+            end[t] = end[t + 1]
+    return end
