@@ -1,6 +1,6 @@
 """Convolutional networks at fxmem's floor, under each compiler: does the measured peak hold?
 
-    python benchmarks/cnn_floor.py [--models convnet,hf-resnet,unet] [--compilers eager,inductor]
+    python benchmarks/cnn_floor.py [--models convnet,hf-resnet,hf-convnext,unet] [--compilers eager,inductor]
 
 The smallest budget fxmem plans a CNN's step for is where its memory model is tested hardest:
 nothing is left over between the plan's predicted peak and the budget but the head-room every
@@ -14,6 +14,9 @@ relative error against fp64's (all parameters together), fxmem's beside eager's 
   16 images of 64 px;
 - hf-resnet: transformers' ResNetForImageClassification from a config (a 7x7 stem, max pooling,
   4 stages of depth 1, 16 to 64 channels), 32 images of 128 px (needs transformers);
+- hf-convnext: transformers' ConvNextForImageClassification from a config (4 stages of depth 1,
+  16 to 64 channels: depthwise 7x7 convolutions, LayerNorm and the MLP over (N, H, W, C)
+  values between them), 32 images of 128 px (needs transformers);
 - unet: a small encoder-decoder with GroupNorm, a strided convolution, a transposed
   convolution, nearest upsampling and a skip concatenation, 8 images of 96 px.
 
@@ -44,18 +47,24 @@ __all__ = ["main"]
 GRAD_FACTOR = 10  # fxmem's gradient error against fp64's, at most this many times eager's
 
 
-class _HFResNet(nn.Module):
-    def __init__(self):
+class _HFVision(nn.Module):
+    """A transformers image classifier built from its config, called as (pixels, labels) -> loss."""
+
+    def __init__(self, kind: str, **config):
         super().__init__()
         import transformers
 
-        cfg = transformers.ResNetConfig(
-            embedding_size=16, hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10
+        cfg = getattr(transformers, f"{kind}Config")(
+            hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10, **config
         )
-        self.net = transformers.ResNetForImageClassification._from_config(cfg)
+        self.net = getattr(transformers, f"{kind}ForImageClassification")._from_config(cfg)
 
     def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.net(pixel_values=pixels, labels=labels).loss
+
+
+def _images() -> Batch:
+    return torch.randn(32, 3, 128, 128), torch.randint(0, 10, (32,))
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
@@ -63,7 +72,8 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
         ConvNet(channels=32, blocks=2),
         (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))),
     ),
-    "hf-resnet": lambda: (_HFResNet(), (torch.randn(32, 3, 128, 128), torch.randint(0, 10, (32,)))),
+    "hf-resnet": lambda: (_HFVision("ResNet", embedding_size=16), _images()),
+    "hf-convnext": lambda: (_HFVision("ConvNext"), _images()),
     "unet": lambda: (UNet(), (torch.randn(8, 3, 96, 96), torch.randn(8, 3, 96, 96))),
 }
 

@@ -10,11 +10,15 @@ convolution on CPU, inductor runs convolutions channels-last, so a graph input r
 batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
 node the copy is counted, kept from the forward (inductor keeps one for the backward whatever
 the plan says). So is the copy inductor makes for a view a channels-last value cannot take.
+And where inductor would choose a layout for a value the forward saves that the plan cannot
+count (channels-last for a value in (N, H, W, C)), the value is saved through a view that
+inductor keeps as traced.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -23,11 +27,21 @@ from fxmem import _torch_private as tp
 from fxmem import kernels
 from fxmem.graph import aliased_input
 
-__all__ = ["copy_conv_inputs_channels_last", "copy_views_of_channels_last", "remove_redundant_clones"]
+__all__ = [
+    "LAID_STRIDE",
+    "copy_conv_inputs_channels_last",
+    "copy_views_of_channels_last",
+    "remove_redundant_clones",
+    "save_as_traced",
+]
 
 _CLONE = torch.ops.aten.clone.default
 _CONVS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_BMM = torch.ops.aten.bmm.default
+# node.meta key: the strides inductor gives the node's value where they are not the traced ones
+# (written by copy_views_of_channels_last).
+LAID_STRIDE = "fxmem_laid_stride"
 
 
 def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
@@ -142,6 +156,10 @@ def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
         if node.target in _CONVS or (not _keeps_layout(node) and _reads_channels_last(node.all_input_nodes, laid)):
             got = _channels_last(got)
         laid[node] = got
+    for node, v in laid.items():
+        val = node.meta.get("val")
+        if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor) and v.stride() != val.stride():
+            node.meta[LAID_STRIDE] = tuple(v.stride())
     for node in gm.graph.nodes:
         if node in retraced or (node.op == "call_function" and aliased_input(node) in retraced):
             node.meta["val"] = tp.fake_rerun(node)
@@ -150,6 +168,75 @@ def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return copies
+
+
+def save_as_traced(
+    gm: fx.GraphModule, saved: list[fx.Node], forward: list[fx.Node], in_backward: Callable[[fx.Node], bool]
+) -> list[fx.Node]:
+    """Where inductor runs convolutions channels-last, keep it from choosing the layout of 4-d
+    values the forward saves for the backward.
+
+    Inductor writes each 4-d value the forward returns channels-last when the value is in its
+    `nodes_prefer_channels_last` (see `_prefer_channels_last`), by the value's logical shape: a
+    (N, H, W, C) value, as ConvNeXt's blocks hold between their convolutions, gets H as its
+    innermost dimension. Its (N*H*W, C) view for a matmul then cannot alias it, so inductor
+    copies it in the forward and again in the backward, and a saved view it copies to begin
+    with; none of which the plan counts. Each such value that is contiguous as traced and as
+    inductor lays it out (see LAID_STRIDE), and that no convolution reads, is saved as its
+    (N, H*W, C) view instead, which inductor returns as it is; the backward's readers read a 4-d
+    view of that. Values and storages are unchanged. `forward` is the forward's nodes in order,
+    `in_backward` tells a node the backward graph computes. Returns the saved nodes, each view
+    in place of the value it stands for.
+    """
+    prefer = _prefer_channels_last(forward)
+    out = []
+    for value in saved:
+        val = value.meta.get("val")
+        readers = [u for u in value.users if in_backward(u)]
+        if (
+            value not in prefer
+            or not isinstance(val, torch.Tensor)
+            or val.ndim != 4
+            or not val.is_contiguous()
+            or LAID_STRIDE in value.meta
+            or not readers
+            or any(u.target in _CONVS for u in value.users)
+        ):
+            out.append(value)
+            continue
+        n, h, w, c = val.shape
+        with gm.graph.inserting_after(value):
+            flat = gm.graph.call_function(torch.ops.aten.view.default, (value, [n, h * w, c]))
+        flat.meta["val"] = tp.fake_rerun(flat)
+        with gm.graph.inserting_after(flat):
+            back = gm.graph.call_function(torch.ops.aten.view.default, (flat, list(val.shape)))
+        back.meta["val"] = tp.fake_rerun(back)
+        for u in readers:
+            u.replace_input_with(value, back)
+        out.append(flat)
+    return out
+
+
+def _prefer_channels_last(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes of a graph of `nodes` (in order; readers outside it ignored) that inductor's
+    layout optimisation prefers channels-last: each convolution, whatever a node in the set
+    reads, and, up to the last convolution, whatever reads a node in the set; a batched matmul
+    passes the preference neither way."""
+    inside = set(nodes)
+    prefer: set[fx.Node] = set()
+    last_conv = None
+    for node in reversed(nodes):
+        if node.target is _CONVS[0]:
+            prefer.add(node)
+            last_conv = last_conv or node
+        elif node.target is not _BMM and any(u in prefer for u in node.users):
+            prefer.add(node)
+    for node in nodes:
+        if node is last_conv:
+            break
+        if node in prefer:
+            prefer.update(u for u in node.users if u in inside and u.target is not _BMM)
+    return prefer
 
 
 def _keeps_layout(node: fx.Node) -> bool:

@@ -34,7 +34,12 @@ from fxmem.again import (
     apply_second_recomputation,
     plan_second_recomputation,
 )
-from fxmem.cleanup import copy_conv_inputs_channels_last, copy_views_of_channels_last, remove_redundant_clones
+from fxmem.cleanup import (
+    copy_conv_inputs_channels_last,
+    copy_views_of_channels_last,
+    remove_redundant_clones,
+    save_as_traced,
+)
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
@@ -92,7 +97,8 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         t0 = time.perf_counter()
         cost = CostModel(measure_rates(str(req.device)))
         storage_remap = remove_redundant_clones(joint)
-        if req.compiler == "inductor":
+        layout_opt = req.compiler == "inductor" and tp.inductor_layout_optimization(joint)
+        if layout_opt:
             copy_conv_inputs_channels_last(joint)
             copy_views_of_channels_last(joint)
         fusing = req.compiler == "inductor"
@@ -136,7 +142,7 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan)
         plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second, cost.rates)
         log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
-        fw, bw = _emit(jg, choice)
+        fw, bw = _emit(jg, choice, layout_opt)
         if fusing:
             seeds_from_buffers(fw)
         if req.on_plan is not None:
@@ -190,7 +196,7 @@ def _copy_graph(jg: JointGraph) -> JointGraph:
     )
 
 
-def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _emit(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphModule, fx.GraphModule]:
     recomputed = set(choice.timeline.recomputed)
     readers = [i for i, k in enumerate(jg.kind) if k not in (FWD, PRIMAL) or i in recomputed]
     needed = {j for i in readers for j in jg.inputs[i]}
@@ -204,6 +210,14 @@ def _emit(jg: JointGraph, choice: Choice) -> tuple[fx.GraphModule, fx.GraphModul
             saved_syms.append(node)
         elif jg.kind[i] == FWD and choice.saved[i]:
             saved_values.append(node)
+    if layout_opt:
+        forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k == FWD]
+
+        def in_backward(node: fx.Node) -> bool:
+            i = jg.index.get(node)
+            return i is not None and (jg.kind[i] != FWD or i in recomputed)
+
+        saved_values = save_as_traced(jg.gm, saved_values, forward, in_backward)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
     tl = choice.timeline
     bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]])
@@ -217,13 +231,20 @@ def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     """`gm` with its nodes in the order `names` gives (placeholders first, output last).
 
     A topological sort that, among the nodes whose inputs are ready, takes the one earliest in
-    `names`; nodes `names` lacks come after every named one that is ready, in graph order.
+    `names`; a node `names` lacks (a view of a saved value, see cleanup.save_as_traced) goes
+    right before its first reader that `names` has, or after every named one.
     """
-    rank = {name: k for k, name in enumerate(names)}
+    named = {name: k for k, name in enumerate(names)}
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     pos = {n: k for k, n in enumerate(nodes)}
+    rank: dict[fx.Node, tuple[int, int]] = {}
+    for n in reversed(nodes):
+        if n.name in named:
+            rank[n] = (named[n.name], 1)
+        else:  # right before its first reader
+            rank[n] = (min((rank[u][0] for u in n.users if u in rank), default=len(named)), 0)
     waiting = {n: sum(1 for a in n.all_input_nodes if a in pos) for n in nodes}
-    ready = [(rank.get(n.name, len(rank)), pos[n], n) for n in nodes if waiting[n] == 0]
+    ready = [(rank[n], pos[n], n) for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -236,7 +257,7 @@ def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
             if u in waiting:
                 waiting[u] -= 1
                 if waiting[u] == 0:
-                    heapq.heappush(ready, (rank.get(u.name, len(rank)), pos[u], u))
+                    heapq.heappush(ready, (rank[u], pos[u], u))
     if len(env) != len(nodes) + len(gm.graph.find_nodes(op="placeholder")):
         raise RuntimeError("fxmem: the backward graph has a cycle")  # a bug, never the user's input
     for n in gm.graph.find_nodes(op="output"):

@@ -24,9 +24,9 @@ def _capture(monkeypatch):
     seen = []
     original = partition._emit
 
-    def emit(jg, choice):
+    def emit(jg, choice, *rest):
         seen.append((jg, choice))
-        return original(jg, choice)
+        return original(jg, choice, *rest)
 
     monkeypatch.setattr(partition, "_emit", emit)
     return seen

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.cleanup import copy_conv_inputs_channels_last, copy_views_of_channels_last
+from fxmem.cleanup import LAID_STRIDE, copy_conv_inputs_channels_last, copy_views_of_channels_last, save_as_traced
 from fxmem.kernels import LAYOUT_COPY
 
 aten = torch.ops.aten
@@ -86,3 +86,49 @@ def test_views_without_convolutions_are_left_alone():
     gm = make_fx(step, tracing_mode="fake")(torch.randn(2, 4, 8, 8))
     assert copy_views_of_channels_last(gm) == 0
     assert not [n for n in gm.graph.nodes if n.target is aten.clone.default]
+
+
+def _nhwc_block(x, w, m, w2):
+    """A convolution, a matmul over its (N, H, W, C) output, and a second convolution; besides,
+    a value after the last convolution and a stand-in for a backward op reading each."""
+    y = aten.convolution.default(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    n, c, hh, ww = y.shape
+    rows = aten.reshape.default(aten.permute.default(y, [0, 2, 3, 1]), [n * hh * ww, c])
+    h = aten.view.default(aten.mm.default(rows, m), [n, hh, ww, m.shape[1]])  # saved: (N, H, W, K)
+    g = aten.gelu.default(h)
+    z = aten.convolution.default(
+        aten.permute.default(g, [0, 3, 1, 2]), w2, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1
+    )
+    r = aten.relu.default(z)
+    return r.sum(), aten.mul.Tensor(h, 3.0), aten.mul.Tensor(y, 3.0), aten.mul.Tensor(r, 3.0)
+
+
+def test_saved_nhwc_values_inductor_would_lay_out_are_saved_through_a_view():
+    """A saved (N, H, W, K) value that feeds a convolution is saved as its (N, H*W, K) view,
+    which the backward reads back as 4-d; a convolution's output (channels-last already) and a
+    value after the last convolution are saved as they are. Values are unchanged."""
+    g = torch.Generator().manual_seed(0)
+    args = (
+        torch.randn(2, 3, 6, 6, generator=g),
+        torch.randn(4, 3, 1, 1, generator=g),
+        torch.randn(4, 8, generator=g),
+        torch.randn(5, 8, 1, 1, generator=g),
+    )
+    gm = make_fx(_nhwc_block, tracing_mode="fake")(*args)
+    copy_views_of_channels_last(gm)
+    nodes = list(gm.graph.nodes)
+    backward = [n for n in nodes if n.target is aten.mul.Tensor]
+    h, y, r = (b.args[0] for b in backward)
+    assert LAID_STRIDE in y.meta and LAID_STRIDE not in h.meta
+    forward = [n for n in nodes if n.op == "call_function" and n not in backward]
+    saved = save_as_traced(gm, [h, y, r], forward, lambda n: n in backward)
+    assert saved[1] is y and saved[2] is r
+    flat = saved[0]
+    assert flat.target is aten.view.default and flat.args == (h, [2, 36, 8])
+    (back,) = flat.users
+    assert backward[0].args[0] is back and tuple(back.meta["val"].shape) == (2, 6, 6, 8)
+    assert [u for u in h.users if u is not flat] == [n for n in nodes if n.target is aten.gelu.default]
+    gm.graph.lint()
+    gm.recompile()
+    for got, want in zip(gm(*args), _nhwc_block(*args), strict=True):
+        torch.testing.assert_close(got, want)

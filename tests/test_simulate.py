@@ -31,8 +31,8 @@ def _capture_emits(monkeypatch):
     seen = []
     original = partition._emit
 
-    def emit(jg, choice):
-        fw, bw = original(jg, choice)
+    def emit(jg, choice, *rest):
+        fw, bw = original(jg, choice, *rest)
         seen.append((jg, choice, fw, bw))
         return fw, bw
 
