@@ -169,8 +169,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
                     if r in recomputed_sids and alloc_at[r] >= boundary:
                         recomputed_interval[r] = (alloc_at[r], t)
                     cur -= charged[r]
-                    if events is not None:
-                        events.append((t, r, -charged[r]))
+                    if events is not None:  # gone before this step's snapshot: freed after the last one
+                        events.append((t - 1, r, -charged[r]))
                     break
             cur += charged[s]
             if events is not None:

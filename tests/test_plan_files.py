@@ -78,6 +78,16 @@ def test_timeline_adds_up_to_the_predicted_peak(saved):
     assert max(curves["recomputed"]) > 0
 
 
+def test_timeline_adds_up_to_the_predicted_peak_under_inductor():
+    """Under a fusing compiler a kernel writes its output over a buffer that dies in it; the
+    timeline frees that buffer before the step, as the prediction does."""
+    torch._dynamo.reset()
+    model, batch = small_gpt()
+    plan = fxmem.optimize(model, 1.0, compiler="inductor", example_inputs=batch).plan
+    torch._dynamo.reset()
+    assert max(total_curve(plan.timeline)) == plan.predicted_peak_bytes
+
+
 def test_timeline_png_opens_with_its_size(saved):
     _, directory = saved
     image = matplotlib.image.imread(directory / "timeline.png")
