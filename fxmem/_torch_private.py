@@ -214,6 +214,17 @@ def _partitioner_class() -> type:
     return FxmemPartitioner
 
 
+def own_recompiles() -> dict[str, Any]:
+    """torch.compile keyword arguments that give one compiled module its own count of
+    recompilations: by default every torch.compile of a function shares one, and each fxmem
+    module's backend is its own, so a process's ninth optimized module of a class (the same
+    forward) would hit `recompile_limit` (FailOnRecompileLimitHit under fullgraph), the
+    modules before it dead or alive. Empty where torch has no such option (before 2.12)."""
+    import inspect
+
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
 def inductor_layout_optimization(gm: torch.fx.GraphModule) -> bool:
     """Whether inductor will run this graph's convolutions channels-last (its own heuristic:
     on CPU with mkldnn, whenever there is one)."""

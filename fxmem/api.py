@@ -118,7 +118,9 @@ class FxmemModule(nn.Module):
                 raise RuntimeError("fxmem: the optimized module was freed during compilation")
             return fxmem_backend(gm, example_inputs, options=opts)
 
-        self.__dict__["_fxmem_compiled"] = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+        self.__dict__["_fxmem_compiled"] = torch.compile(
+            model, backend=backend, fullgraph=True, dynamic=False, **tp.own_recompiles()
+        )
         self.training = model.training
 
     # -- the plan ---------------------------------------------------------------------------
