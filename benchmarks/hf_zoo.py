@@ -133,6 +133,125 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
             T.ConvNextForImageClassification,
             T.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10),
         ),
+        **_more_models(T, lm, vision),
+    }
+
+
+def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
+    """Fifteen more: vision transformers and CNNs of other kinds, encoders, decoders with ALiBi,
+    parallel attention, rotary embeddings, a mixture of experts."""
+    stages = dict(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10)
+    vit = dict(
+        _SHAPE,
+        image_size=128,
+        patch_size=8,
+        num_labels=10,
+        hidden_dropout_prob=0,
+        attention_probs_dropout_prob=0,
+    )
+    return {
+        "swin": vision(
+            T.SwinForImageClassification,
+            T.SwinConfig(
+                image_size=128,
+                patch_size=4,
+                embed_dim=16,
+                depths=[1, 1, 1, 1],
+                num_heads=[1, 2, 4, 4],
+                window_size=4,
+                num_labels=10,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+                drop_path_rate=0,
+            ),
+        ),
+        "deit": vision(T.DeiTForImageClassification, T.DeiTConfig(**vit, intermediate_size=128)),
+        "beit": vision(
+            T.BeitForImageClassification,
+            T.BeitConfig(**vit, intermediate_size=128, use_relative_position_bias=True, drop_path_rate=0),
+        ),
+        "dinov2": vision(T.Dinov2ForImageClassification, T.Dinov2Config(**vit)),
+        "segformer": vision(
+            T.SegformerForImageClassification,
+            T.SegformerConfig(
+                **stages,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+                classifier_dropout_prob=0,
+                drop_path_rate=0,
+            ),
+        ),
+        "convnextv2": vision(T.ConvNextV2ForImageClassification, T.ConvNextV2Config(**stages)),
+        "poolformer": vision(T.PoolFormerForImageClassification, T.PoolFormerConfig(**stages, drop_path_rate=0)),
+        "regnet": vision(T.RegNetForImageClassification, T.RegNetConfig(**stages, embedding_size=16, groups_width=8)),
+        "mobilenetv2": vision(
+            T.MobileNetV2ForImageClassification,
+            T.MobileNetV2Config(image_size=128, depth_multiplier=0.35, num_labels=10, classifier_dropout_prob=0),
+        ),
+        "mobilevit": vision(
+            T.MobileViTForImageClassification,
+            T.MobileViTConfig(
+                image_size=128,
+                hidden_sizes=[32, 48, 64],
+                neck_hidden_sizes=[8, 16, 24, 32, 40, 48, 160],
+                num_labels=10,
+                hidden_dropout_prob=0,
+                attention_probs_dropout_prob=0,
+                classifier_dropout_prob=0,
+            ),
+        ),
+        "roberta": lm(
+            T.RobertaForMaskedLM,
+            T.RobertaConfig(
+                **dict(_DECODER, max_position_embeddings=SEQ + 2), hidden_dropout_prob=0, attention_probs_dropout_prob=0
+            ),
+        ),
+        "bloom": lm(
+            T.BloomForCausalLM,
+            T.BloomConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                n_layer=2,
+                n_head=4,
+                hidden_dropout=0,
+                attention_dropout=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "falcon": lm(
+            T.FalconForCausalLM,
+            T.FalconConfig(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                hidden_dropout=0,
+                attention_dropout=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "gptj": lm(
+            T.GPTJForCausalLM,
+            T.GPTJConfig(
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                rotary_dim=8,
+                resid_pdrop=0,
+                embd_pdrop=0,
+                attn_pdrop=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "mixtral": lm(
+            T.MixtralForCausalLM,
+            T.MixtralConfig(**_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        ),
     }
 
 
