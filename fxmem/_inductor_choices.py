@@ -9,7 +9,7 @@ import bisect
 
 from torch._inductor.choices import InductorChoices
 
-__all__ = ["FxmemChoices"]
+__all__ = ["FxmemChoices3"]
 
 
 def _call_between(scheduler, first: int, last: int) -> bool:
@@ -22,7 +22,7 @@ def _call_between(scheduler, first: int, last: int) -> bool:
     return k < len(calls) and calls[k] < last
 
 
-class FxmemChoices(InductorChoices):
+class FxmemChoices3(InductorChoices):
     # Inductor keys its cache by this class: torch 2.11 by its name, later versions by uuid().
     # When the heuristics change, change both (a new uuid and a new name).
     @staticmethod
@@ -34,9 +34,9 @@ class FxmemChoices(InductorChoices):
 
     @staticmethod
     def can_fuse_vertical(scheduler, node1, node2, shared_data_score):
-        if node1.is_reduction() and _call_between(scheduler, node1.max_order, node2.min_order):
+        if _call_between(scheduler, node1.max_order, node2.min_order):
             return False
         return InductorChoices.can_fuse_vertical(scheduler, node1, node2, shared_data_score)
 
     def uuid(self) -> str:
-        return "fxmem-no-fusion-across-library-calls-2"
+        return "fxmem-no-fusion-across-library-calls-3"

@@ -181,17 +181,19 @@ _INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "reorder_for_peak_memory": Fal
 def _fusion_choices() -> type:
     """Inductor's fusion heuristics, less two: two kernels that do not depend on each other
     are not fused when a library call (a matmul, attention) runs between them, and neither is
-    a reduction with a consumer that runs after one. Such a fusion moves the earlier kernel's
-    work past the call, so what it reads stays alive across it (a LayerNorm's weight-gradient
-    reduction fused with the next LayerNorm's holds two activations over an attention
-    backward; a bias gradient summed over chunks of rows, each chunk's sum fused into the
-    final add, holds every chunk's gradient); the plan counted them freed. A reduction's own
-    output is small: written out, it costs next to nothing."""
+    a kernel with a reader that runs after one. Fusing unrelated kernels moves the earlier
+    one's work past the call, so what it reads stays alive across it (a LayerNorm's
+    weight-gradient reduction fused with the next LayerNorm's holds two activations over an
+    attention backward; a bias gradient summed over chunks of rows, each chunk's sum fused into
+    the final add, holds every chunk's gradient); the plan counted them freed. Fusing a reader
+    into its producer's kernel moves the reader's work before the calls in between, so what it
+    writes is alive across them (DINOv2's backward computed the residual stream's values for
+    both layers in its first kernel); the plan counted them made where they are read."""
     # A class defined at a module's top level: inductor pickles it into its cache key (torch
     # 2.11 bypasses the cache, with a warning, for a class it cannot pickle by name).
-    from fxmem._inductor_choices import FxmemChoices
+    from fxmem._inductor_choices import FxmemChoices3
 
-    return FxmemChoices
+    return FxmemChoices3
 
 
 def _partitioner_class() -> type:

@@ -12,7 +12,7 @@ index it writes (see `_reads_in_place`); recomputed values are stored unless the
 compute them inline (see `kernels.stored_on_reuse`); an element-wise value a library call alone
 reads is computed right before that call, not where the graph has it (see
 `schedule.as_realized`). Kernels never merge across a library call: fxmem's compile keeps
-inductor from fusing unrelated kernels across one (see `_torch_private._fusion_choices`). Each
+inductor from fusing kernels across one (see `_torch_private._fusion_choices`). Each
 rule was checked against inductor's generated code and `fxmem.measure` on GPT,
 GPT-with-dropout and ViT floors.
 """

@@ -550,10 +550,10 @@ def test_inductor_choices_pickle_by_name():
     assert pickle.loads(pickle.dumps(choices)) is choices
 
 
-def test_inductor_does_not_fuse_a_reduction_into_a_consumer_after_a_library_call(monkeypatch):
-    """A reduction fused into a consumer that runs after a library call would run there, its
-    input alive across the call; pointwise producers, and consumers before any call, are
-    inductor's to decide."""
+def test_inductor_does_not_fuse_a_kernel_with_a_reader_after_a_library_call(monkeypatch):
+    """A kernel fused with a reader that runs after a library call moves work across the call:
+    a reduction's input, or what a pointwise reader writes, would be alive across it. Readers
+    before any call are inductor's to decide."""
     from torch._inductor.choices import InductorChoices
 
     monkeypatch.setattr(InductorChoices, "can_fuse_vertical", staticmethod(lambda *args: "inductor decides"))
@@ -568,8 +568,9 @@ def test_inductor_does_not_fuse_a_reduction_into_a_consumer_after_a_library_call
     pointwise = node(2)
     scheduler = SimpleNamespace(nodes=[pointwise, total, near, call, consumer])
     assert not choices.can_fuse_vertical(scheduler, total, consumer, 2**20)
+    assert not choices.can_fuse_vertical(scheduler, pointwise, consumer, 2**20)
     assert choices.can_fuse_vertical(scheduler, total, near, 2**20) == "inductor decides"
-    assert choices.can_fuse_vertical(scheduler, pointwise, consumer, 2**20) == "inductor decides"
+    assert choices.can_fuse_vertical(scheduler, pointwise, near, 2**20) == "inductor decides"
 
 
 def test_identical_dropouts_share_one_kernel_and_draw_the_same_numbers(monkeypatch):
