@@ -36,6 +36,9 @@ __all__ = ["main"]
 GRAD_TOL = 1e-4
 VOCAB, BATCH, SEQ = 512, 8, 512
 _SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)  # every transformer's
+# Dropout off: BERT-style configs name it one way, GPT-NeoX/BLOOM/Falcon-style ones another.
+_NO_DROPOUT = dict(hidden_dropout_prob=0, attention_probs_dropout_prob=0)
+_NO_DROPOUT_NEOX = dict(hidden_dropout=0, attention_dropout=0)
 _DECODER = dict(
     _SHAPE,
     vocab_size=VOCAB,
@@ -86,7 +89,7 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
         "qwen3": lm(T.Qwen3ForCausalLM, T.Qwen3Config(**gqa, head_dim=16)),
         "gemma": lm(T.GemmaForCausalLM, T.GemmaConfig(**gqa, head_dim=16)),
         "phi3": lm(T.Phi3ForCausalLM, T.Phi3Config(**gqa)),
-        "gpt-neox": lm(T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**_DECODER, hidden_dropout=0, attention_dropout=0)),
+        "gpt-neox": lm(T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**_DECODER, **_NO_DROPOUT_NEOX)),
         "opt": lm(
             T.OPTForCausalLM,
             T.OPTConfig(
@@ -99,7 +102,7 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
                 word_embed_proj_dim=64,
             ),
         ),
-        "bert": lm(T.BertForMaskedLM, T.BertConfig(**_DECODER, hidden_dropout_prob=0, attention_probs_dropout_prob=0)),
+        "bert": lm(T.BertForMaskedLM, T.BertConfig(**_DECODER, **_NO_DROPOUT)),
         "t5": lm(
             T.T5ForConditionalGeneration,
             T.T5Config(
@@ -121,8 +124,7 @@ def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.T
                 image_size=128,
                 patch_size=8,
                 num_labels=10,
-                hidden_dropout_prob=0,
-                attention_probs_dropout_prob=0,
+                **_NO_DROPOUT,
             ),
         ),
         "resnet": vision(
@@ -146,9 +148,9 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
         image_size=128,
         patch_size=8,
         num_labels=10,
-        hidden_dropout_prob=0,
-        attention_probs_dropout_prob=0,
+        **_NO_DROPOUT,
     )
+    neox_style = dict(_NO_DROPOUT_NEOX, vocab_size=VOCAB, hidden_size=64, bos_token_id=0, eos_token_id=0)
     return {
         "swin": vision(
             T.SwinForImageClassification,
@@ -160,8 +162,7 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
                 num_heads=[1, 2, 4, 4],
                 window_size=4,
                 num_labels=10,
-                hidden_dropout_prob=0,
-                attention_probs_dropout_prob=0,
+                **_NO_DROPOUT,
                 drop_path_rate=0,
             ),
         ),
@@ -175,8 +176,7 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
             T.SegformerForImageClassification,
             T.SegformerConfig(
                 **stages,
-                hidden_dropout_prob=0,
-                attention_probs_dropout_prob=0,
+                **_NO_DROPOUT,
                 classifier_dropout_prob=0,
                 drop_path_rate=0,
             ),
@@ -195,43 +195,16 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
                 hidden_sizes=[32, 48, 64],
                 neck_hidden_sizes=[8, 16, 24, 32, 40, 48, 160],
                 num_labels=10,
-                hidden_dropout_prob=0,
-                attention_probs_dropout_prob=0,
+                **_NO_DROPOUT,
                 classifier_dropout_prob=0,
             ),
         ),
         "roberta": lm(
             T.RobertaForMaskedLM,
-            T.RobertaConfig(
-                **dict(_DECODER, max_position_embeddings=SEQ + 2), hidden_dropout_prob=0, attention_probs_dropout_prob=0
-            ),
+            T.RobertaConfig(**dict(_DECODER, max_position_embeddings=SEQ + 2), **_NO_DROPOUT),
         ),
-        "bloom": lm(
-            T.BloomForCausalLM,
-            T.BloomConfig(
-                vocab_size=VOCAB,
-                hidden_size=64,
-                n_layer=2,
-                n_head=4,
-                hidden_dropout=0,
-                attention_dropout=0,
-                bos_token_id=0,
-                eos_token_id=0,
-            ),
-        ),
-        "falcon": lm(
-            T.FalconForCausalLM,
-            T.FalconConfig(
-                vocab_size=VOCAB,
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                hidden_dropout=0,
-                attention_dropout=0,
-                bos_token_id=0,
-                eos_token_id=0,
-            ),
-        ),
+        "bloom": lm(T.BloomForCausalLM, T.BloomConfig(**neox_style, n_layer=2, n_head=4)),
+        "falcon": lm(T.FalconForCausalLM, T.FalconConfig(**neox_style, num_hidden_layers=2, num_attention_heads=4)),
         "gptj": lm(
             T.GPTJForCausalLM,
             T.GPTJConfig(

@@ -216,6 +216,7 @@ def _partitioner_class() -> type:
     return FxmemPartitioner
 
 
+@functools.cache
 def own_recompiles() -> dict[str, Any]:
     """torch.compile keyword arguments that give one compiled module its own count of
     recompilations: by default every torch.compile of a function shares one, and each fxmem

@@ -73,12 +73,11 @@ def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
 
 
 def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
-    """Where inductor will run convolutions channels-last (its layout optimisation), give each
-    graph input that a convolution reads as its input, and that is not channels-last already,
-    an explicit channels-last copy read by the convolutions and their backward. Returns how
-    many inputs were copied."""
-    if not tp.inductor_layout_optimization(gm):
-        return 0
+    """Where inductor will run convolutions channels-last (its layout optimisation: the caller
+    asks `_torch_private.inductor_layout_optimization`), give each graph input that a
+    convolution reads as its input, and that is not channels-last already, an explicit
+    channels-last copy read by the convolutions and their backward. Returns how many inputs
+    were copied."""
     copies = 0
     for src in list(gm.graph.find_nodes(op="placeholder")):
         val = src.meta.get("val")
@@ -121,10 +120,10 @@ def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
     kernels.LAYOUT_COPY); values are unchanged, and inductor no longer writes the input out.
     The layouts are found by running the graph's fake values again with convolution outputs
     made channels-last (element-wise ops and views derive theirs from their inputs; other ops
-    that read a channels-last value write one). Returns how many views were given a copy.
+    that read a channels-last value write one). Returns how many views were given a copy. For
+    graphs inductor optimises the layout of (the caller asks
+    `_torch_private.inductor_layout_optimization`).
     """
-    if not tp.inductor_layout_optimization(gm):
-        return 0
     laid: dict[fx.Node, object] = {}  # node -> its value in inductor's layouts
     copies = 0
     retraced: set[fx.Node] = set()  # views now of a copy: their fake values alias it

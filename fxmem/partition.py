@@ -212,12 +212,8 @@ def _emit(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphMod
             saved_values.append(node)
     if layout_opt:
         forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k == FWD]
-
-        def in_backward(node: fx.Node) -> bool:
-            i = jg.index.get(node)
-            return i is not None and (jg.kind[i] != FWD or i in recomputed)
-
-        saved_values = save_as_traced(jg.gm, saved_values, forward, in_backward)
+        backward = {jg.nodes[i] for i in readers}
+        saved_values = save_as_traced(jg.gm, saved_values, forward, backward.__contains__)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
     tl = choice.timeline
     bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]])
