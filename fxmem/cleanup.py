@@ -180,7 +180,10 @@ def save_as_traced(
     (N, H, W, C) value, as ConvNeXt's blocks hold between their convolutions, gets H as its
     innermost dimension. Its (N*H*W, C) view for a matmul then cannot alias it, so inductor
     copies it in the forward and again in the backward, and a saved view it copies to begin
-    with; none of which the plan counts. Each such value that is contiguous as traced and as
+    with; none of which the plan counts. An input the backward reads is such a value too
+    (MobileNetV2's images, padded before its first convolution): inductor would return a
+    channels-last copy of it, held from the forward to the backward. Each such value that is
+    contiguous as traced and as
     inductor lays it out (see LAID_STRIDE), and that no convolution reads, is saved as its
     (N, H*W, C) view instead, which inductor returns as it is; the backward's readers read a 4-d
     view of that. Values and storages are unchanged. `forward` is the forward's nodes in order,

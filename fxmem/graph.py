@@ -290,9 +290,11 @@ class JointGraph:
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
         transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
-        stored_on_reuse = kernels.stored_on_reuse(nodes, inputs, storage, materialized, inlinable) if fusing else []
+        backward = [k == BWD for k in kind]
+        stored_on_reuse = (
+            kernels.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
+        )
         if fusing:
-            backward = [k == BWD for k in kind]
             kernels.store_reused(backward, users, storage, materialized, fusible, inlinable, stored_on_reuse)
         return cls(
             fusible=fusible,

@@ -21,6 +21,7 @@ __all__ = [
     "LAYOUT_COPY",
     "is_fusible",
     "is_inlinable",
+    "is_view_op",
     "kernel_ops",
     "materialized_storages",
     "op_name",
@@ -73,7 +74,7 @@ def is_fusible(node: fx.Node) -> bool:
         return True
     if op_name(node) in _SCATTERS:
         return _scatter_fused(node)
-    return op_name(node) in _FUSIBLE_NON_POINTWISE or _view_like(node)
+    return op_name(node) in _FUSIBLE_NON_POINTWISE or is_view_op(node)
 
 
 def _scatter_fused(node: fx.Node) -> bool:
@@ -95,7 +96,8 @@ def op_name(node: fx.Node) -> str:
     return getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
 
 
-def _view_like(node: fx.Node) -> bool:
+def is_view_op(node: fx.Node) -> bool:
+    """Ops whose output aliases their input (views)."""
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
@@ -171,17 +173,29 @@ _MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
 
 
 def stored_on_reuse(
-    nodes: list[fx.Node], inputs: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]
+    nodes: list[fx.Node],
+    inputs: list[list[int]],
+    users: list[list[int]],
+    storage: list[int],
+    mat: list[bool],
+    inlinable: list[bool],
+    backward: list[bool],
 ) -> list[bool]:
     """Per node: a fusing compiler stores its value when more than one kernel reads it.
 
     A pointwise value that is not written out is computed inside the kernel of each of its
     readers. Inductor does that while the computation is cheap: it stores the value instead
     when the chain of unstored ops behind it applies a heavy op (exp, log, ...; on CPU) or
-    reads more than four stored buffers.
+    reads more than four stored buffers. A value so stored because several ops of its graph
+    read it (the value or a view of it) is a buffer its readers in that graph read, not a
+    chain they compute: a batch norm's recomputed output, read by the ReLU6 mask's two
+    comparisons, leaves the masked gradient two reads and so unstored. `backward` tells the
+    nodes of the backward graph; a forward value read there counts its backward readers.
     """
     heavy = [False] * len(nodes)
     reads: list[frozenset[int]] = [frozenset()] * len(nodes)
+    costly = [False] * len(nodes)
+    reused: tuple[set[int], set[int]] = (set(), set())  # storages stored so, in the forward's graph, the backward's
     for i, n in enumerate(nodes):
         val = n.meta.get("val")
         on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
@@ -191,14 +205,19 @@ def stored_on_reuse(
             sj = storage[j]
             if sj < 0:
                 continue
-            if mat[sj] or not inlinable[j]:
+            if mat[sj] or not inlinable[j] or sj in reused[backward[i]]:
                 r.add(sj)
             else:
                 h = h or heavy[j]
                 r |= reads[j]
         heavy[i] = h
         reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
-    return [h or len(r) > _MAX_INLINED_READS for h, r in zip(heavy, reads, strict=True)]
+        costly[i] = h or len(r) > _MAX_INLINED_READS
+        if costly[i] and storage[i] >= 0:
+            for graph in (False, True):
+                if sum(1 for u in users[i] if backward[u] == graph) > 1:
+                    reused[graph].add(storage[i])
+    return costly
 
 
 def store_reused(
@@ -210,14 +229,15 @@ def store_reused(
     inlinable: list[bool],
     stored: list[bool],
 ) -> None:
-    """Mark written out the backward values several kernels read that a fusing compiler stores
+    """Mark written out the backward values several ops read that a fusing compiler stores
     rather than computing them in each (see `stored_on_reuse`; LayerNorm's input gradient
-    read by an embedding's two gradient scatters). Forward values are judged where the plan
-    recomputes them (`simulate`'s `inlined`)."""
+    read by an embedding's two gradient scatters). A view among the readers counts as one, as
+    inductor counts it (ConvNeXt's LayerNorm gradient, read by a permute and an add). Forward
+    values are judged where the plan recomputes them (`simulate`'s `inlined`)."""
     for i, s in enumerate(storage):
         if not backward[i] or s < 0 or mat[s] or not inlinable[i] or not stored[i]:
             continue
-        readers = [u for u in users[i] if fusible[u] and storage[u] != s]
+        readers = [u for u in users[i] if fusible[u]]
         if len(readers) > 1:
             mat[s] = True
 

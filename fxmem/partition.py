@@ -43,7 +43,7 @@ from fxmem.cleanup import (
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError
 from fxmem.graph import FWD, PRIMAL, JointGraph, module_path, source_line
-from fxmem.kernels import seeds_from_buffers
+from fxmem.kernels import is_fusible, is_view_op, seeds_from_buffers
 from fxmem.plan import Decision, Plan
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
@@ -211,24 +211,29 @@ def _emit(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphMod
         elif jg.kind[i] == FWD and choice.saved[i]:
             saved_values.append(node)
     if layout_opt:
-        forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k == FWD]
+        forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k in (PRIMAL, FWD)]
         backward = {jg.nodes[i] for i in readers}
         saved_values = save_as_traced(jg.gm, saved_values, forward, backward.__contains__)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
     tl = choice.timeline
-    bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]])
+    bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]], fusing=bool(jg.fusible))
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return fw, bw
 
 
-def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+def _ordered_as(gm: fx.GraphModule, names: list[str], fusing: bool) -> fx.GraphModule:
     """`gm` with its nodes in the order `names` gives (placeholders first, output last).
 
     A topological sort that, among the nodes whose inputs are ready, takes the one earliest in
     `names`; a node `names` lacks (a view of a saved value, see cleanup.save_as_traced) goes
-    right before its first reader that `names` has, or after every named one.
+    right before its first reader that `names` has, or after every named one. For a fusing
+    compiler, a view several nodes read, a library call among them, goes right after the value
+    it views (views cost nothing; the plan's order is otherwise kept): inductor writes a value
+    out when it meets such a view, and a kernel it met before then computes the value again
+    from its inputs instead of reading it (a softmax's gradient summed for a bias, read by two
+    matmuls through a view).
     """
     named = {name: k for k, name in enumerate(names)}
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -239,6 +244,10 @@ def _ordered_as(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
             rank[n] = (named[n.name], 1)
         else:  # right before its first reader
             rank[n] = (min((rank[u][0] for u in n.users if u in rank), default=len(named)), 0)
+    for n in nodes:
+        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if fusing and base in rank and is_view_op(n) and len(n.users) > 1 and not all(is_fusible(u) for u in n.users):
+            rank[n] = rank[base]
     waiting = {n: sum(1 for a in n.all_input_nodes if a in pos) for n in nodes}
     ready = [(rank[n], pos[n], n) for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)

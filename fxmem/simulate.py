@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
+from fxmem.kernels import op_name
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
@@ -226,12 +227,16 @@ def _extend_through_unstored(
     inlined: Callable[[int], bool],
 ) -> None:
     """Keep the inputs of values a fusing compiler never stores alive until those values' last
-    readers: each reader's kernel computes the value again from them."""
+    readers: each reader's kernel computes the value again from them. So too for a reduction a
+    concatenation alone reads: inductor computes it into the concatenation's buffer, when it
+    makes that (per-chunk bias gradients, summed over the batch, concatenated per head)."""
     storage = jg.storage
     for t in range(len(order) - 1, -1, -1):
         i = order[t]
         s = storage[i]
-        if s < 0 or cost[s] or not jg.inlinable[i] or (t >= boundary and i in rset and not inlined(i)):
+        if s < 0 or cost[s] or (t >= boundary and i in rset and not inlined(i)):
+            continue
+        if not jg.inlinable[i] and not (jg.fusible[i] and _only_concatenated(jg, i)):
             continue
         last = last_f if t < boundary else last_b
         until = last.get(s, t)
@@ -239,6 +244,11 @@ def _extend_through_unstored(
             sj = storage[j]
             if sj >= 0 and sj != s and last.get(sj, -1) < until:
                 last[sj] = until
+
+
+def _only_concatenated(jg: JointGraph, i: int) -> bool:
+    """Whether concatenations are all that read node `i`."""
+    return bool(jg.users[i]) and all(op_name(jg.nodes[u]) == "cat" for u in jg.users[i])
 
 
 def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool:

@@ -116,6 +116,7 @@ def test_batchnorm_running_stats_updated_once():
         ("unet", "inductor"),
         ("hf-resnet", "inductor"),
         ("hf-convnext", "inductor"),
+        ("hf-mobilenetv2", "inductor"),
     ],
 )
 def test_cnn_held_at_its_floor(name, compiler):
@@ -125,7 +126,9 @@ def test_cnn_held_at_its_floor(name, compiler):
     channels-last, the copies it makes for views channels-last values cannot take (a max
     pooling's backward), and element-wise values it computes only when a library call reads
     them (after a convolution the backward runs again), and the layouts it would choose for
-    saved (N, H, W, C) values (ConvNeXt's). The models and sizes are
+    saved (N, H, W, C) values (ConvNeXt's) and inputs (MobileNetV2's images, copied
+    channels-last when saved as they are), and which values it writes out (a batch norm's
+    output the ReLU6 mask's two comparisons read). The models and sizes are
     benchmarks/cnn_floor.py's. Batch-norm
     gradients are ill-conditioned in fp32 (eager's own are 3e-4 from fp64's): fxmem's are held
     to the fp64 ones within ten times eager's error."""
