@@ -1,6 +1,6 @@
 """Convolutional networks at fxmem's floor, under each compiler: does the measured peak hold?
 
-    python benchmarks/cnn_floor.py [--models convnet,hf-resnet,hf-convnext,hf-mobilenetv2,unet] [--compilers eager,inductor]
+    python benchmarks/cnn_floor.py [--models convnet,hf-resnet,hf-convnext,hf-regnet,hf-mobilenetv2,unet] [--compilers eager,inductor]
 
 The smallest budget fxmem plans a CNN's step for is where its memory model is tested hardest:
 nothing is left over between the plan's predicted peak and the budget but the head-room every
@@ -17,6 +17,9 @@ inductor, plain `torch.compile`'s (batch-norm gradients are ill-conditioned in f
 - hf-convnext: transformers' ConvNextForImageClassification from a config (4 stages of depth 1,
   16 to 64 channels: depthwise 7x7 convolutions, LayerNorm and the MLP over (N, H, W, C)
   values between them), 32 images of 128 px (needs transformers);
+- hf-regnet: transformers' RegNetForImageClassification from a config (RegNetY: grouped
+  convolutions, squeeze-and-excitation; 4 stages of depth 1, 16 to 64 channels), 32 images of
+  128 px (needs transformers);
 - hf-mobilenetv2: transformers' MobileNetV2ForImageClassification from a config (width 0.35:
   inverted residual blocks of depthwise convolutions over TensorFlow-style padded inputs, batch
   norm and ReLU6), 16 images of 96 px (needs transformers);
@@ -87,6 +90,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
     ),
     "hf-resnet": lambda: (_HFVision("ResNet", embedding_size=16, **_STAGES), _images()),
     "hf-convnext": lambda: (_HFVision("ConvNext", **_STAGES), _images()),
+    "hf-regnet": lambda: (_HFVision("RegNet", embedding_size=16, groups_width=8, **_STAGES), _images()),
     "hf-mobilenetv2": lambda: (
         _HFVision("MobileNetV2", image_size=96, depth_multiplier=0.35, classifier_dropout_prob=0.0),
         _images(16, 96),

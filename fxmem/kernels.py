@@ -19,6 +19,7 @@ from fxmem import _torch_private as tp
 
 __all__ = [
     "LAYOUT_COPY",
+    "SCATTERED_INTO",
     "is_fusible",
     "is_inlinable",
     "is_view_op",
@@ -47,6 +48,9 @@ _FUSIBLE_NON_POINTWISE = _STORED | {
     "where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding",
     "_low_memory_max_pool_offsets_to_indices",  # a max pooling's window offsets made indices
 }  # fmt: skip
+# Ops whose output buffer inductor fills by scattering into it (a mutation): no kernel writes
+# its own output over such a buffer when it dies there (a max pooling's gradient, scattered).
+SCATTERED_INTO = _SCATTERS | {"scatter", "scatter_add", "scatter_reduce", "index_add"}
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
 # inputs are copied into, by loops fused with the kernel around them.
 _WRITTEN_OUT = {"cat"}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
-from fxmem.kernels import op_name
+from fxmem.kernels import SCATTERED_INTO, op_name
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
@@ -122,7 +122,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         frees.setdefault(end if s in pinned_end else t, []).append(s)
 
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
-    # size over it (inductor reuses a buffer that dies in the kernel that makes the new one).
+    # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
+    # the kernel's last op included: MobileViT's and RegNet's SiLU and batch-norm gradients).
     reusable: dict[int, list[int]] = {}  # kernel end -> storages last read inside that kernel
     last_read_at: dict[tuple[int, int], int] = {}  # (kernel end, storage) -> step of the last read
     kernel_end: list[int] = []
@@ -132,9 +133,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         for t, sids in frees.items():
             k = kernel_end[t] if t < len(order) else t
             moved.setdefault(k, []).extend(sids)
-            if k != t:
-                reusable.setdefault(k, []).extend(sids)
-                last_read_at.update(((k, s), t) for s in sids)
+            reusable.setdefault(k, []).extend(sids)
+            last_read_at.update(((k, s), t) for s in sids)
         frees = moved
 
     alive: set[int] = set()
@@ -258,9 +258,11 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     strides, or be a reshape of it that no reduction reads (an mm's (B*T, 4C) output read as
     (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
     (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
-    transpose)."""
+    transpose). Never a buffer a scatter filled (inductor's mutation of it)."""
     want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
+        return False
+    if op_name(jg.nodes[maker]) in SCATTERED_INTO:
         return False
     r = jg.storage[maker]
     if not (want.shape == made.shape and want.stride() == made.stride()):

@@ -116,6 +116,7 @@ def test_batchnorm_running_stats_updated_once():
         ("unet", "inductor"),
         ("hf-resnet", "inductor"),
         ("hf-convnext", "inductor"),
+        ("hf-regnet", "inductor"),
         ("hf-mobilenetv2", "inductor"),
     ],
 )
@@ -128,7 +129,8 @@ def test_cnn_held_at_its_floor(name, compiler):
     them (after a convolution the backward runs again), and the layouts it would choose for
     saved (N, H, W, C) values (ConvNeXt's) and inputs (MobileNetV2's images, copied
     channels-last when saved as they are), and which values it writes out (a batch norm's
-    output the ReLU6 mask's two comparisons read). The models and sizes are
+    output the ReLU6 mask's two comparisons read), and the buffers a kernel's last op writes
+    its output over (RegNet's). The models and sizes are
     benchmarks/cnn_floor.py's. Batch-norm
     gradients are ill-conditioned in fp32 (eager's own are 3e-4 from fp64's): fxmem's are held
     to the fp64 ones within ten times eager's error."""

@@ -388,6 +388,24 @@ def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index(
     assert not _reads_in_place(jg, named["mul"], named["exp"], cost)
 
 
+def test_no_kernel_writes_over_a_buffer_a_scatter_filled():
+    """A scatter's output (a max pooling's gradient, scattered into zeros) is a buffer inductor
+    mutates: the kernel that reads it last writes its own output elsewhere, even element for
+    element where it reads."""
+
+    def f(x, index):
+        return torch.zeros(8, 8).scatter_add(0, index, x) * 2.0
+
+    jg, named, cost = _in_place_case(f, torch.randn(8, 8), torch.randint(0, 8, (8, 8)))
+    assert not _reads_in_place(jg, named["mul"], named["scatter_add"], cost)
+
+    def g(x):
+        return (x * 3.0) * 2.0
+
+    jg, named, cost = _in_place_case(g, torch.randn(8, 8))
+    assert _reads_in_place(jg, named["mul_1"], named["mul"], cost)
+
+
 def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
     """Attention's backward returns three gradients: all three are allocated while q, k, v
     and the incoming gradient are still alive, though the graph takes them out one by one."""
