@@ -183,10 +183,9 @@ def save_as_traced(
     with; none of which the plan counts. An input the backward reads is such a value too
     (MobileNetV2's images, padded before its first convolution): inductor would return a
     channels-last copy of it, held from the forward to the backward. Each such value that is
-    contiguous as traced and as
-    inductor lays it out (see LAID_STRIDE), and that no convolution reads, is saved as its
-    (N, H*W, C) view instead, which inductor returns as it is; the backward's readers read a 4-d
-    view of that. Values and storages are unchanged. `forward` is the forward's nodes in order,
+    contiguous as traced and as inductor lays it out (see LAID_STRIDE), and that no convolution
+    reads, is saved as its (N, H*W, C) view instead, which inductor returns as it is; the
+    backward's readers read a 4-d view of that. Values and storages are unchanged. `forward` is the forward's nodes in order,
     `in_backward` tells a node the backward graph computes. Returns the saved nodes, each view
     in place of the value it stands for.
     """

@@ -123,8 +123,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
 
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
-    # the kernel's last op included: MobileViT's and RegNet's SiLU and batch-norm gradients).
-    reusable: dict[int, list[int]] = {}  # kernel end -> storages last read inside that kernel
+    # the kernel's last op included: MobileViT's and RegNet's SiLU and batch-norm gradients);
+    # `frees` becomes kernel end -> the storages last read inside that kernel.
     last_read_at: dict[tuple[int, int], int] = {}  # (kernel end, storage) -> step of the last read
     kernel_end: list[int] = []
     if jg.fusible:
@@ -133,7 +133,6 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
         for t, sids in frees.items():
             k = kernel_end[t] if t < len(order) else t
             moved.setdefault(k, []).extend(sids)
-            reusable.setdefault(k, []).extend(sids)
             last_read_at.update(((k, s), t) for s in sids)
         frees = moved
 
@@ -159,7 +158,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             # them inside the kernels that read them (see `inlined`).
             own = s == storage[i]
             charged[s] = cost[s] if own and (i not in rset or inlined(i)) else sbytes[s]
-            for r in reusable.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
+            for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
                     and last_read_at[kernel_end[t], r] <= t
