@@ -46,6 +46,7 @@ __all__ = [
     "allow_many_compiles",
     "bench_model",
     "call_model",
+    "compiled_err",
     "floor_of",
     "free_memory",
     "fxmem_config",
@@ -117,6 +118,17 @@ def eager_at(model: nn.Module, batch: Batch, state: dict[str, torch.Tensor]) -> 
     zero_grads(model)
     model.load_state_dict(state)
     return measured, grads
+
+
+def compiled_err(model: nn.Module, batch: Batch, state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """Plain `torch.compile`'s gradients' error against `ref` (`overall_rel_err`): how exact
+    inductor is on its own. The model is left without gradients, in `state`."""
+    train_step(torch.compile(model), batch)
+    err = overall_rel_err(grads_of(model), ref)
+    zero_grads(model)
+    model.load_state_dict(state)
+    torch._dynamo.reset()
+    return err
 
 
 def fxmem_at(

@@ -9,10 +9,12 @@ step is measured eagerly, then under `fxmem.optimize` at a fraction of eager's m
 at fxmem's floor (read from the BudgetError of an impossible budget). Per model: eager's peak,
 the budget, the measured and predicted peaks, whether the budget held (a BudgetError at a
 fraction is reported as such: the floor is above it), the gradients' relative error against
-eager's (all parameters together), the passes that fired, and the first call's seconds
-(planning and compilation). Language models train on 8 x 512 tokens of a 512-word vocabulary,
+eager's (all parameters together) and, under inductor, plain `torch.compile`'s beside it, the
+passes that fired, and the first call's seconds (planning and compilation). Language models train on 8 x 512 tokens of a 512-word vocabulary,
 vision models on 32 images of 128 px. Needs transformers. Exit status 1 when a budget that was
-accepted did not hold, gradients differ by more than 1e-4, or a model failed otherwise.
+accepted did not hold, gradients differ by more than 1e-4 (under inductor: and by more than
+ten times plain torch.compile's own difference, as batch norm's ill-conditioned gradients do),
+or a model failed otherwise.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fxmem  # noqa: E402
-from benchmarks._harness import eager_at, floor_of, fxmem_at  # noqa: E402
+from benchmarks._harness import compiled_err, eager_at, floor_of, fxmem_at  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 
 __all__ = ["main"]
 
 GRAD_TOL = 1e-4
+GRAD_FACTOR = 10  # under inductor, times plain torch.compile's own gradient difference
 VOCAB, BATCH, SEQ = 512, 8, 512
 _SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)  # every transformer's
 # Dropout off: BERT-style configs name it one way, GPT-NeoX/BLOOM/Falcon-style ones another.
@@ -236,6 +239,7 @@ def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     eager, ref = eager_at(model, batch, state)
     row: dict[str, Any] = {"model": name, "eager": eager.peak_bytes}
+    row["compiled_err"] = compiled_err(model, batch, state, ref) if compiler == "inductor" else None
     if budget == "floor":
         budget_bytes, why = floor_of(model, batch, None, compiler=compiler)
         if budget_bytes is None:
@@ -263,14 +267,24 @@ def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
 def _line(r: dict) -> str:
     head = f"| {r['model']} | {r['eager'] / MiB:.2f} | "
     if "error" in r:
-        return head + f"— | — | — | | {r['error']} | | |"
+        return head + f"— | — | — | | {r['error']} | | | |"
     if "refused" in r:
-        return head + f"{r['budget'] / MiB:.2f} | — | — | refused: floor {r['refused'] / MiB:.2f} | | | |"
+        return head + f"{r['budget'] / MiB:.2f} | — | — | refused: floor {r['refused'] / MiB:.2f} | | | | |"
     held = "yes" if r["measured"] <= r["budget"] else "**no**"
     return head + (
         f"{r['budget'] / MiB:.2f} | {r['measured'] / MiB:.2f} | {r['predicted'] / MiB:.2f} | {held} | "
-        f"{r['grad_err']:.1e} | {r['fired'] or '—'} | {r['first_s']:.1f} |"
+        f"{r['grad_err']:.1e} | {_err(r['compiled_err'])} | {r['fired'] or '—'} | {r['first_s']:.1f} |"
     )
+
+
+def _err(err: float | None) -> str:
+    return "—" if err is None else f"{err:.1e}"
+
+
+def _allowed_err(row: dict) -> float:
+    """How far fxmem's gradients may be from eager's: GRAD_TOL, or under inductor GRAD_FACTOR
+    times plain torch.compile's own distance, whichever is larger."""
+    return max(GRAD_TOL, GRAD_FACTOR * (row["compiled_err"] or 0.0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model(s) {unknown}; available: {sorted(models)}")
     print(f"# HF architectures, compiler={args.compiler}, budget {args.budget}\n\n{machine_line('cpu')}\n")
     print(
-        "| model | eager MiB | budget MiB | measured MiB | predicted MiB | held | grad rel err | passes fired | first call s |"
+        "| model | eager MiB | budget MiB | measured MiB | predicted MiB | held | grad rel err "
+        "| torch.compile's | passes fired | first call s |"
     )
-    print("|---|---:|---:|---:|---:|:-:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|:-:|---:|---:|---|---:|")
     failed = 0
     for name in names:
         try:
@@ -302,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 -- a model that fails is a row of the table
             r = {"model": name, "eager": 0, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(_line(r), flush=True)
-        failed += "error" in r or ("measured" in r and (r["measured"] > r["budget"] or r["grad_err"] > GRAD_TOL))
+        failed += "error" in r or ("measured" in r and (r["measured"] > r["budget"] or r["grad_err"] > _allowed_err(r)))
     return 1 if failed else 0
 
 

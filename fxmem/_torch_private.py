@@ -161,16 +161,28 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn
         # while the plan has already ordered the backward and predicted that order.
         # Horizontal fusion across library calls off (see _fusion_choices): the handler is set
         # around each inner compile (inductor makes its default one once per thread); the
-        # config entry puts its uuid in inductor's cache key.
+        # config entry puts its uuid in inductor's cache key. The backward lays out its
+        # convolutions as the forward does: inductor decides each graph's layout on its own, and
+        # a backward without a convolution would run convolution backward in the traced
+        # (contiguous) layout, copying every channels-last value it reads into it and its
+        # input gradient back (a conv-BN-SiLU stack's backward wrote each such gradient twice,
+        # 16% over its plan); the plan counts one buffer per value, in the forward's layout.
         choices = _fusion_choices()
         patches = {**_INDUCTOR_PATCHES, "inductor_choices_class": choices}
+        forward_layout_opt: list[bool] = []
 
-        def inner_compile(*args: Any, **kwargs: Any) -> Any:
+        def inner_compile(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
             from torch._inductor.compile_fx import compile_fx_inner
             from torch._inductor.virtualized import V
 
-            with V.set_choices_handler(choices()):
-                return compile_fx_inner(*args, **kwargs)
+            if not kwargs.get("is_backward"):
+                forward_layout_opt[:] = [inductor_layout_optimization(gm)]
+            same_layout = kwargs.get("is_backward") and forward_layout_opt == [True]
+            with (
+                V.set_choices_handler(choices()),
+                config.patch(force_layout_optimization=True) if same_layout else contextlib.nullcontext(),
+            ):
+                return compile_fx_inner(gm, *args, **kwargs)
 
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 

@@ -118,6 +118,7 @@ def test_batchnorm_running_stats_updated_once():
         ("hf-convnext", "inductor"),
         ("hf-regnet", "inductor"),
         ("hf-mobilenetv2", "inductor"),
+        ("silu-stack", "inductor"),
     ],
 )
 def test_cnn_held_at_its_floor(name, compiler):
@@ -130,7 +131,9 @@ def test_cnn_held_at_its_floor(name, compiler):
     saved (N, H, W, C) values (ConvNeXt's) and inputs (MobileNetV2's images, copied
     channels-last when saved as they are), and which values it writes out (a batch norm's
     output the ReLU6 mask's two comparisons read), and the buffers a kernel's last op writes
-    its output over (RegNet's). The models and sizes are
+    its output over (RegNet's). Its backward, without convolutions of its own, runs the
+    convolutions' backward channels-last too (left to itself, inductor would write each
+    batch norm's input gradient twice: 16% over the plan for the SiLU stack). The models and sizes are
     benchmarks/cnn_floor.py's. Batch-norm
     gradients are ill-conditioned in fp32 (eager's own are 3e-4 from fp64's): fxmem's are held
     to the fp64 ones within ten times eager's error."""
