@@ -53,7 +53,7 @@ _FUSIBLE_NON_POINTWISE = _STORED | {
 SCATTERED_INTO = _SCATTERS | {"scatter", "scatter_add", "scatter_reduce", "index_add"}
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
 # inputs are copied into, by loops fused with the kernel around them.
-_WRITTEN_OUT = {"cat"}
+_WRITTEN_OUT = {"cat"} | _SCATTERS  # and a scatter's buffer, filled by mutating it
 # node.meta key: a copy of a value into another layout, which its readers read from memory (see
 # cleanup.copy_views_of_channels_last): the loops writing it and those reading it run in
 # different orders, so no kernel both computes and reads it.
@@ -152,12 +152,17 @@ def kernel_ops(nodes: list[fx.Node], users: list[list[int]]) -> tuple[list[bool]
     return fusible, folded
 
 
+# Views inductor takes of a buffer laid out exactly as traced: it writes their input out (a
+# group norm's per-channel scale and shift, made (N, C) by as_strided).
+_STRIDED_READS = {"as_strided"}
+
+
 def materialized_storages(
     nodes: list[fx.Node], users: list[list[int]], storage: list[int], count: int, fusible: list[bool], folded: set[int]
 ) -> list[bool]:
     """A storage is written to memory when some value in it is read by a non-fusible op (an
-    add folded into an addmm counts as one; the mm's own product is never written). `fusible`
-    and `folded` come from `kernel_ops`."""
+    add folded into an addmm counts as one; the mm's own product is never written) or by an
+    as_strided view. `fusible` and `folded` come from `kernel_ops`."""
     mat = [False] * count
     for i, n in enumerate(nodes):
         s = storage[i]
@@ -165,7 +170,7 @@ def materialized_storages(
             continue
         if n.op == "placeholder" or not fusible[i] or op_name(n) in _WRITTEN_OUT or n.meta.get(LAYOUT_COPY):
             mat[s] = True
-        elif any(not fusible[u] for u in users[i]) or not users[i]:
+        elif any(not fusible[u] or op_name(nodes[u]) in _STRIDED_READS for u in users[i]) or not users[i]:
             mat[s] = True
     return mat
 
@@ -237,13 +242,40 @@ def store_reused(
     rather than computing them in each (see `stored_on_reuse`; LayerNorm's input gradient
     read by an embedding's two gradient scatters). A view among the readers counts as one, as
     inductor counts it (ConvNeXt's LayerNorm gradient, read by a permute and an add). Forward
-    values are judged where the plan recomputes them (`simulate`'s `inlined`)."""
-    for i, s in enumerate(storage):
+    values are judged where the plan recomputes them (`simulate`'s `inlined`). A value whose
+    readers all feed one element-wise value written out (through values computed inline: a
+    SiLU's sigmoid, read twice by its gradient) is computed in that value's loop, its buffer
+    dropped (UNet's SiLU gradients before their group norm's backward); one a reduction reads,
+    or two written values, is read by loops of its own (a batch norm's backward sums)."""
+    for i in range(len(storage) - 1, -1, -1):  # readers first: whether they are written
+        s = storage[i]
         if not backward[i] or s < 0 or mat[s] or not inlinable[i] or not stored[i]:
             continue
         readers = [u for u in users[i] if fusible[u]]
-        if len(readers) > 1:
+        if len(readers) > 1 and not _one_loop(i, users, storage, mat, inlinable):
             mat[s] = True
+
+
+def _one_loop(i: int, users: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]) -> bool:
+    """Whether what node `i`'s readers compute inline from it ends in one element-wise value
+    written out: the loop writing that value computes `i` too, and no other loop reads `i`."""
+    ends: set[int] = set()
+    stack, seen = list(users[i]), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        su = storage[u]
+        if not inlinable[u] or su < 0:
+            return False  # a reduction or a library call reads it
+        if mat[su]:
+            ends.add(u)
+        else:
+            stack.extend(users[u])
+        if len(ends) > 1:
+            return False
+    return len(ends) == 1
 
 
 @torch.library.custom_op("fxmem::rows", mutates_args=())

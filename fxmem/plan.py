@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Decision", "Plan", "format_bytes"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
 # version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation;
-# version 3 copies_time_s
-_READABLE_VERSIONS = (1, 2, 3, 4)
+# version 3 copies_time_s; version 4 backward_copies
+_READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 
 def format_bytes(n: float) -> str:
@@ -73,6 +73,9 @@ class Plan:
     second_recomputation: dict = field(default_factory=dict, repr=False)
     # Slices of the batch each block in rewrites["microbatch_blocks"] runs over (1: not sliced).
     batch_slices: int = 1
+    # False: planned on the graph without the backward's copies of cheap values (fxmem.again),
+    # the budget being below the floor with them.
+    backward_copies: bool = True
 
     @property
     def saved(self) -> list[Decision]:
@@ -123,6 +126,8 @@ class Plan:
                 f"  computed twice:  {len(dropped)} saved values made again in backward from earlier saved ones "
                 f"({len(self.second_recomputation['chain'])} ops run a second time)"
             )
+        if not self.backward_copies:
+            lines.append("  backward copies: none (below the floor with them, the backward reads saved values)")
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in self.rewrites.items()))
         if self.batch_slices > 1:

@@ -47,8 +47,16 @@ def saved(tmp_path_factory):
 def test_plan_json_schema(saved):
     plan, directory = saved
     data = json.loads((directory / "plan.json").read_text())
-    assert data["schema_version"] == 4
-    for key in ("budget_bytes", "floor_bytes", "predicted_peak_bytes", "breakdown", "decisions", "rewrites"):
+    assert data["schema_version"] == 5
+    for key in (
+        "budget_bytes",
+        "floor_bytes",
+        "predicted_peak_bytes",
+        "breakdown",
+        "decisions",
+        "rewrites",
+        "backward_copies",
+    ):
         assert key in data
     assert set(data["breakdown"]) >= {"parameters", "saved activations", "temporaries"}
     decision_keys = {"name", "nbytes", "op", "module", "source", "action", "reason", "cost_s"}
@@ -150,12 +158,16 @@ def test_summary_names_the_backward_copies_in_the_estimate():
 def test_schema_version_1_still_loads(saved, tmp_path):
     plan, _ = saved
     data = plan.to_dict()
-    for key in ("timeline", "graph", "fingerprint", "saved_nodes", "measured", "second_recomputation", "copies_time_s"):
+    for key in (
+        "timeline", "graph", "fingerprint", "saved_nodes", "measured", "second_recomputation", "copies_time_s",
+        "backward_copies",
+    ):  # fmt: skip
         del data[key]
     data["schema_version"] = 1
     (tmp_path / "plan.json").write_text(json.dumps(data))
     old = fxmem.Plan.load(tmp_path / "plan.json")
     assert old.predicted_peak_bytes == plan.predicted_peak_bytes and old.timeline == {}
+    assert old.backward_copies, "plans before version 5 were all made on the graph with the copies"
     old.save(tmp_path / "again")  # no timeline: plan.json only, no error
     assert os.listdir(tmp_path / "again") == ["plan.json"]
     data["schema_version"] = 99
@@ -213,7 +225,7 @@ def test_torch_logs_name_and_tlparse_artifact():
     artifacts = [r for r in records if "fxmem_plan" in str(getattr(r, "metadata", r.msg))]
     assert artifacts, [str(r.msg)[:80] for r in records][:5]
     payload = json.loads(artifacts[-1].payload)
-    assert payload["schema_version"] == 4 and payload["predicted_peak_bytes"] > 0
+    assert payload["schema_version"] == 5 and payload["predicted_peak_bytes"] > 0
 
 
 def _hf_llama():

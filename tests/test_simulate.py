@@ -18,7 +18,7 @@ import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
 from fxmem.graph import JointGraph, _is_impure, _is_random, aliased_input
-from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages, stored_on_reuse
+from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages, store_reused, stored_on_reuse
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import workspace_bytes
@@ -341,6 +341,52 @@ def test_an_embedding_is_computed_in_its_readers_and_its_gradient_scattered_in_a
         assert not any(kernel_ops(nodes, users)[0][i] for i in scatters)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_scatter_and_what_an_as_strided_view_reads_are_written_out():
+    """A scatter fills a buffer by mutating it, whatever reads it after (the upsampling's
+    gradient, read only by the group norm's backward kernels: 4.5 MiB the UNet's plan had not
+    counted); inductor writes out a value it takes an as_strided view of (a group norm's
+    per-channel scale and shift), so readers of that view read one buffer."""
+
+    def f(w, idx, g, scale):
+        grad = torch.ops.aten.index_put(torch.zeros_like(w), [idx], g, True)
+        per_channel = torch.as_strided(scale * 2.0, (4, 8), (8, 1))
+        return grad * 3.0, per_channel + 1.0
+
+    nodes, users = _aten_graph(f, torch.randn(64, 8), torch.randint(0, 64, (16,)), torch.randn(16, 8), torch.randn(32))
+    mat = materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *kernel_ops(nodes, users))
+    (scatter,) = [i for i, n in enumerate(nodes) if "index_put" in str(n.target)]
+    (strided,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.as_strided.default]
+    (scaled,) = [i for i, n in enumerate(nodes) if nodes[strided].args[0] is n]
+    assert mat[scatter] and mat[scaled]
+    assert not mat[strided], "the view itself is no buffer of its own"
+
+
+def test_a_value_read_twice_by_one_written_value_is_computed_in_its_loop():
+    """A SiLU's sigmoid, read twice by its gradient: inductor stores it (an exp on CPU, read by
+    two ops), then computes it in the loop writing the gradient, its only reader, and drops the
+    buffer (UNet's backward, before its group norm's). Read by a reduction too, the sigmoid is
+    read by two loops and stays (a batch norm's backward)."""
+
+    def f(x, grad, keep):
+        sig = torch.sigmoid(x)
+        dx = grad * sig * (1 + x * (1 - sig))
+        out = (dx * 2.0, dx.sum(0)) if keep else (dx * 2.0,)
+        return out
+
+    for keep in (False, True):
+        nodes, users = _aten_graph(functools.partial(f, keep=keep), torch.randn(8, 8), torch.randn(8, 8))
+        inputs = [[nodes.index(a) for a in n.all_input_nodes] for n in nodes]
+        storage = list(range(len(nodes)))
+        fusible, folded = kernel_ops(nodes, users)
+        mat = materialized_storages(nodes, users, storage, len(nodes), fusible, folded)
+        inlinable, backward = [is_inlinable(n) for n in nodes], [True] * len(nodes)
+        stored = stored_on_reuse(nodes, inputs, users, storage, mat, inlinable, backward)
+        (sig,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.sigmoid.default]
+        assert stored[sig] and len(users[sig]) == 2
+        store_reused(backward, users, storage, mat, fusible, inlinable, stored)
+        assert mat[sig] is keep, keep
 
 
 def _in_place_case(f, *args):
