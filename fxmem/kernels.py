@@ -11,6 +11,7 @@ identical dropouts compile one kernel.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,7 @@ __all__ = [
     "kernel_ops",
     "materialized_storages",
     "op_name",
+    "reach",
     "rows",
     "seeds_from_buffers",
     "store_reused",
@@ -259,23 +261,30 @@ def store_reused(
 def _one_loop(i: int, users: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]) -> bool:
     """Whether what node `i`'s readers compute inline from it ends in one element-wise value
     written out: the loop writing that value computes `i` too, and no other loop reads `i`."""
+
+    def inline(u: int) -> list[int]:  # readers of a value computed inline, not written out
+        return users[u] if inlinable[u] and storage[u] >= 0 and not mat[storage[u]] else []
+
     ends: set[int] = set()
-    stack, seen = list(users[i]), set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        su = storage[u]
-        if not inlinable[u] or su < 0:
+    for u in reach(users[i], inline):
+        if not inlinable[u] or storage[u] < 0:
             return False  # a reduction or a library call reads it
-        if mat[su]:
+        if mat[storage[u]]:
             ends.add(u)
-        else:
-            stack.extend(users[u])
-        if len(ends) > 1:
-            return False
+            if len(ends) > 1:
+                return False
     return len(ends) == 1
+
+
+def reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int]:
+    """Each node reachable from `starts`, once, going on from a node to `onward(node)`."""
+    stack, seen = list(starts), set()
+    while stack:
+        j = stack.pop()
+        if j not in seen:
+            seen.add(j)
+            yield j
+            stack.extend(onward(j))
 
 
 @torch.library.custom_op("fxmem::rows", mutates_args=())

@@ -19,13 +19,13 @@ GPT-with-dropout and ViT floors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
-from fxmem.kernels import SCATTERED_INTO, op_name
+from fxmem.kernels import SCATTERED_INTO, op_name, reach
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
@@ -272,23 +272,12 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
         sj = jg.storage[j]
         return jg.inputs[j] if sj != r and sj >= 0 and not cost[sj] and jg.inlinable[j] else []
 
-    for j in _reach(jg.inputs[i], through):
+    for j in reach(jg.inputs[i], through):
         got = jg.nodes[j].meta.get("val")
         if jg.storage[j] == r and isinstance(got, torch.Tensor):
             if got.shape == want.shape and got.stride() == want.stride():
                 return True
     return False
-
-
-def _reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int]:
-    """Each node reachable from `starts`, once, going on from a node to `onward(node)`."""
-    stack, seen = list(starts), set()
-    while stack:
-        j = stack.pop()
-        if j not in seen:
-            seen.add(j)
-            yield j
-            stack.extend(onward(j))
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -304,7 +293,7 @@ def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:
         return jg.users[u] if su == r or (su >= 0 and not cost[su] and jg.inlinable[u]) else []
 
     readers = [u for j in jg.storage_nodes[r] for u in jg.users[j]]
-    return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in _reach(readers, onward))
+    return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in reach(readers, onward))
 
 
 def _storage_key(node, remap: dict[int, int]) -> int | None:
