@@ -43,6 +43,7 @@ __all__ = [
     "must_be_in_backward",
     "real_tensors",
     "register_log_name",
+    "sdpa_backend",
     "trace_artifact",
 ]
 
@@ -84,6 +85,14 @@ def real_tensors() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
+    """The kernel `F.scaled_dot_product_attention(query, key, value, **kwargs)` dispatches these
+    real tensors to (a `torch.nn.attention.SDPBackend`), as torch itself chooses it."""
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend(torch._fused_sdp_choice(query, key, value, **kwargs))
 
 
 def boxed_graph_function(gm: torch.fx.GraphModule) -> Any:

@@ -19,7 +19,9 @@ Runs first among the passes: the rules below read the graph as the model author 
 Exact: the same scores, mask, softmax and weighted sum, to float rounding. Masks keep their
 meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a finite fill
 (`finfo.min`) an additive one, and additive masks pass through. GQA's `repeat_kv` is undone and
-`enable_gqa=True` set, so the repeated keys and values are not materialised. With dropout the
+`enable_gqa=True` set, so the repeated keys and values are not materialised — unless that would
+leave torch no fused kernel where the repeated ones have one (CUDA in fp32: only flash attention
+takes grouped heads, in half precision), then the repeat stays. With dropout the
 kernel draws its own mask (the same distribution, not eager's draw); the planner never
 recomputes random ops, so the backward sees the forward's mask. Does not fire when the weights
 escape (`output_attentions=True`): they would have to be materialised anyway.
@@ -41,7 +43,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxmem import constants
+from fxmem import _torch_private, constants
 from fxmem.ops import example_value, op_key
 from fxmem.rules import Match, Refusal, Rule, RulePass
 
@@ -240,9 +242,43 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None
     m.bindings["gqa"] = None
     ks, vs = _unrepeat(m.bindings["k"]), _unrepeat(m.bindings["v"])
-    if ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1:
+    repeated = ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1
+    if repeated and _grouped_stays_fused(m, q, example_value(ks[0])):
         m.bindings["gqa"] = (ks[0], vs[0])
     return None
+
+
+def _grouped_stays_fused(m: Match, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether SDPA with `enable_gqa=True` and the keys and values unrepeated (`k`) keeps a fused
+    kernel wherever the repeated ones would have one. On CUDA only flash attention takes grouped
+    heads, and only in half precision: in fp32 `enable_gqa` falls back to the math kernel, which
+    keeps the (B, heads, T, T) weights for the backward, while the repeated keys and values run
+    the memory-efficient kernel. Asked of torch's own dispatch, on small real tensors of the
+    same device, dtypes, heads and head size."""
+    if q.device.type == "meta":
+        return True
+    mask = m.val("mask") if m.bindings.get("mask") is not None else None
+    fill = m.bindings.get("fill")
+    dropout = float(m.bindings.get("p") or 0.0) if m.bindings.get("training") else 0.0
+    t = 64
+    with _torch_private.real_tensors():
+
+        def like(x: torch.Tensor, heads: int, grad: bool) -> torch.Tensor:
+            return torch.zeros(1, heads, t, x.shape[-1], dtype=x.dtype, device=x.device, requires_grad=grad)
+
+        grad = q.requires_grad or k.requires_grad
+        qs, ks = like(q, q.shape[1], grad), like(k, k.shape[1], grad)
+        kwargs = {"dropout_p": dropout, "is_causal": bool(m.bindings["causal"])}
+        if mask is not None:
+            bool_mask = mask.dtype == torch.bool and (fill is None or fill == float("-inf"))
+            kwargs["attn_mask"] = torch.zeros(
+                (1,) * (mask.ndim - 2) + (t, t), dtype=torch.bool if bool_mask else q.dtype, device=q.device
+            )
+        grouped = _torch_private.sdpa_backend(qs, ks, ks, enable_gqa=True, **kwargs)
+        repeated = like(k, q.shape[1], grad)
+        whole = _torch_private.sdpa_backend(qs, repeated, repeated, **kwargs)
+    math = type(grouped).MATH
+    return not (grouped == math and whole != math)
 
 
 def _attends(mask: torch.Tensor, rule_fill: float | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -420,6 +420,38 @@ def test_llama_gqa_uses_enable_gqa_without_repeating_kv():
     assert not repeats, "repeat_kv's (B, kv, n_rep, T, hs) expand is gone"
 
 
+def test_llama_gqa_keeps_the_repeat_where_grouped_heads_lose_the_fused_kernel(monkeypatch):
+    """CUDA in fp32: only flash attention takes grouped heads, and only in half precision, so
+    `enable_gqa=True` would run the math kernel (keeping the (B, heads, T, T) weights) where the
+    repeated keys and values run the memory-efficient one. torch's dispatch answers so here."""
+    from torch.nn.attention import SDPBackend
+
+    choose = torch._fused_sdp_choice
+    asked = []
+
+    def cuda_fp32(q, k, v, *args, enable_gqa=False, **kwargs):
+        asked.append(enable_gqa)
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            return SDPBackend.MATH.value
+        return SDPBackend.EFFICIENT_ATTENTION.value
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", cuda_fp32)
+    model, kwargs, compiled, seen = _hf_swapped("llama")
+    compiled(**kwargs)  # compiles, the pass asking the dispatch above
+    monkeypatch.setattr(torch, "_fused_sdp_choice", choose)
+    loss_err, grad_err = compare_with_eager(
+        lambda: model(**kwargs).loss, lambda: compiled(**kwargs).loss, list(model.parameters()), loss=lambda x: x
+    )
+    ((gm, fired),) = seen
+    sdpas = calls(gm, F.scaled_dot_product_attention)
+    assert fired == len(sdpas) == 2 and True in asked and False in asked
+    for sdpa in sdpas:
+        assert not sdpa.kwargs["enable_gqa"]
+        q, k, v = (a.meta["example_value"] for a in sdpa.args[:3])
+        assert q.shape[1] == k.shape[1] == v.shape[1] == 4  # repeat_kv's keys and values
+    assert loss_err < TOL and grad_err < TOL, (loss_err, grad_err)
+
+
 def test_llama_without_gqa_does_not_enable_it():
     _, kwargs, compiled, seen = _hf_swapped("llama", num_key_value_heads=4)
     compiled(**kwargs)
