@@ -69,7 +69,7 @@ if wants tests; then
     tests=${PIPESTATUS[0]}
     # What is alive at the measured peak beside what the plan predicted there (the small GPT at
     # its floor with the default passes), appended to the tests' log; its failure is the tests'.
-    (cd /tmp && timeout -k 5 $((minutes * 3)) python3 "$root/benchmarks/cuda_peak.py") 2>&1 |
+    (cd /tmp && timeout -k 5 $((minutes * 4)) python3 "$root/benchmarks/cuda_peak.py") 2>&1 |
         grep -v "^W[0-9]" | tee -a "$out/test-cuda.log"
     peak_status=${PIPESTATUS[0]}
     [ "$tests" -eq 0 ] && tests=$peak_status
