@@ -34,6 +34,7 @@ __all__ = [
     "foreach_default_devices",
     "is_aten_op",
     "inductor_compile",
+    "inductor_max_accumulated_reads",
     "is_module_buffer",
     "is_primal",
     "is_real_tensor",
@@ -258,6 +259,19 @@ def inductor_layout_optimization(gm: torch.fx.GraphModule) -> bool:
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=False))
     except Exception:  # noqa: BLE001 -- a heuristic of torch's: no answer means no copies
         return False
+
+
+def inductor_max_accumulated_reads(device_type: str) -> int:
+    """How many buffers an element-wise value inductor computes inline may read, through the
+    values it computes inline behind it, before inductor writes it out (its
+    `realize_acc_reads_threshold`; when unset, a larger one for CPU code)."""
+    from torch._inductor import config
+
+    if config.realize_acc_reads_threshold is not None:
+        return int(config.realize_acc_reads_threshold)
+    if device_type == "cpu" and hasattr(config, "realize_cpu_acc_reads_threshold"):
+        return int(config.realize_cpu_acc_reads_threshold)
+    return int(getattr(config, "_realize_acc_reads_threshold_default", 8))
 
 
 def register_log_name() -> None:

@@ -10,6 +10,7 @@ identical dropouts compile one kernel.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator
 
@@ -28,6 +29,7 @@ __all__ = [
     "materialized_storages",
     "op_name",
     "reach",
+    "realized_for_reads",
     "rows",
     "seeds_from_buffers",
     "store_reused",
@@ -175,6 +177,64 @@ def materialized_storages(
         elif any(not fusible[u] or op_name(nodes[u]) in _STRIDED_READS for u in users[i]) or not users[i]:
             mat[s] = True
     return mat
+
+
+def realized_for_reads(
+    nodes: list[fx.Node],
+    inputs: list[list[int]],
+    users: list[list[int]],
+    storage: list[int],
+    mat: list[bool],
+    inlinable: list[bool],
+    backward: list[bool],
+) -> list[int]:
+    """Element-wise values a fusing compiler writes out because the values computed inline
+    behind them read more stored buffers than it allows (`tp.inductor_max_accumulated_reads`:
+    12 on CPU, 8 on GPUs): inductor stores the value, and its readers read that one buffer.
+    Its kernel is fused with its readers': read by element-wise loops alone, the buffer is
+    local to that kernel and never allocated (BEiT's layer-norm gradients); read by a scatter,
+    it is (T5's attention-bias gradient, a sum of sixteen per-chunk gradients, before its
+    scatter into the bias table's gradient). Marks those storages written in `mat` and returns
+    their nodes, in graph order. The forward's and the backward's graphs are compiled apart: a
+    forward value the backward reads is a buffer there."""
+    limit = functools.cache(tp.inductor_max_accumulated_reads)
+    reads: list[frozenset[int]] = [frozenset()] * len(nodes)
+    out: list[int] = []
+    for i, n in enumerate(nodes):
+        s = storage[i]
+        if s < 0:
+            continue
+        r: set[int] = set()
+        for j in inputs[i]:
+            sj = storage[j]
+            if sj < 0:
+                continue
+            if mat[sj] or not inlinable[j] or backward[j] != backward[i]:
+                r.add(sj)
+            else:
+                r |= reads[j]
+        val = n.meta.get("val")
+        pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ()) and isinstance(val, torch.Tensor)
+        if pointwise and not mat[s] and inlinable[i] and len(r) > limit(val.device.type):
+            r = {s}  # its readers read it
+            if _scattered(i, nodes, users, storage, mat, inlinable):
+                mat[s] = True
+                out.append(i)
+        reads[i] = frozenset({s}) if mat[s] else frozenset(r)
+    return out
+
+
+def _scattered(
+    i: int, nodes: list[fx.Node], users: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]
+) -> bool:
+    """Whether a scatter reads node `i`'s value, through its views and values computed inline."""
+
+    def onward(j: int) -> list[int]:
+        s = storage[j]
+        inline = s >= 0 and (s == storage[i] or (inlinable[j] and not mat[s]))
+        return users[j] if inline else []
+
+    return any(op_name(nodes[u]) in _SCATTERS for u in reach(users[i], onward))
 
 
 # Ops whose value inductor stores, rather than computing it again inside every reader's

@@ -257,11 +257,13 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     strides, or be a reshape of it that no reduction reads (an mm's (B*T, 4C) output read as
     (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
     (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
-    transpose). Never a buffer a scatter filled (inductor's mutation of it)."""
+    transpose). Never a buffer a scatter filled (inductor's mutation of it), nor a
+    concatenation's, which its inputs' kernels write into and no kernel of its own makes
+    (T5's per-chunk attention-bias gradients: their sum is written to a buffer of its own)."""
     want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
         return False
-    if op_name(jg.nodes[maker]) in SCATTERED_INTO:
+    if op_name(jg.nodes[maker]) in SCATTERED_INTO or op_name(jg.nodes[maker]) == "cat":
         return False
     r = jg.storage[maker]
     if not (want.shape == made.shape and want.stride() == made.stride()):

@@ -18,7 +18,14 @@ import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
 from fxmem.graph import JointGraph, _is_impure, _is_random, aliased_input
-from fxmem.kernels import is_inlinable, kernel_ops, materialized_storages, store_reused, stored_on_reuse
+from fxmem.kernels import (
+    is_inlinable,
+    kernel_ops,
+    materialized_storages,
+    realized_for_reads,
+    store_reused,
+    stored_on_reuse,
+)
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import workspace_bytes
@@ -450,6 +457,52 @@ def test_no_kernel_writes_over_a_buffer_a_scatter_filled():
 
     jg, named, cost = _in_place_case(g, torch.randn(8, 8))
     assert _reads_in_place(jg, named["mul_1"], named["mul"], cost)
+
+
+def test_no_kernel_writes_over_a_concatenation():
+    """A concatenation's buffer is written by its inputs' kernels, none of its own (inductor's
+    no-op kernel): no later kernel writes over it, even element for element where it reads
+    (T5's per-chunk attention-bias gradients, summed into a buffer of their own)."""
+
+    def f(a, b):
+        return torch.cat([a @ b, a @ b.t()]) * 2.0
+
+    jg, named, cost = _in_place_case(f, torch.randn(8, 8), torch.randn(8, 8))
+    assert not _reads_in_place(jg, named["mul"], named["cat"], cost)
+
+
+def test_a_sum_reading_too_many_buffers_is_written_out_for_a_scatter():
+    """Inductor stores an element-wise value once what it computes inline behind it reads more
+    buffers than its limit (12 on CPU); its readers read that one buffer after it. Read by a
+    scatter, the buffer is allocated (T5's attention-bias gradient); read by element-wise
+    loops alone, the kernel computing it is theirs and it is never allocated (BEiT's layer-norm
+    gradients). A sum of fourteen: the partial sum that reads the thirteenth is stored."""
+    n = 14
+
+    def f(idx, *xs, scatter):
+        total = xs[0]
+        for x in xs[1:]:
+            total = total + x
+        if scatter:
+            return torch.ops.aten.index_put(torch.zeros(16, 8), [idx], total, True)
+        return total * 2.0
+
+    for scatter in (True, False):
+        args = [torch.randint(0, 16, (8,)), *[torch.randn(8, 8) for _ in range(n)]]
+        nodes, users = _aten_graph(functools.partial(f, scatter=scatter), *args)
+        adds = [i for i, node in enumerate(nodes) if node.target is torch.ops.aten.add.Tensor]
+        assert tp.inductor_max_accumulated_reads("cpu") == 12
+        assert _realized(nodes, users) == ([adds[11]] if scatter else [])  # x0 + ... + x12: thirteen buffers
+        with torch._inductor.config.patch(realize_acc_reads_threshold=4):
+            assert _realized(nodes, users) == ([adds[3], adds[7], adds[11]] if scatter else [])
+
+
+def _realized(nodes, users):
+    inputs = [[nodes.index(a) for a in node.all_input_nodes] for node in nodes]
+    storage = list(range(len(nodes)))
+    mat = materialized_storages(nodes, users, storage, len(nodes), *kernel_ops(nodes, users))
+    inlinable = [is_inlinable(node) for node in nodes]
+    return realized_for_reads(nodes, inputs, users, storage, mat, inlinable, [True] * len(nodes))
 
 
 def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
