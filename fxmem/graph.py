@@ -291,8 +291,6 @@ class JointGraph:
         transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
         backward = [k == BWD for k in kind]
-        if fusing:  # marks the values it writes out for the buffers they read
-            kernels.realized_for_reads(nodes, inputs, users, storage, materialized, inlinable, backward)
         stored_on_reuse = (
             kernels.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
         )

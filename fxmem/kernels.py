@@ -29,7 +29,6 @@ __all__ = [
     "materialized_storages",
     "op_name",
     "reach",
-    "realized_for_reads",
     "rows",
     "seeds_from_buffers",
     "store_reused",
@@ -179,27 +178,18 @@ def materialized_storages(
     return mat
 
 
-def realized_for_reads(
-    nodes: list[fx.Node],
-    inputs: list[list[int]],
-    users: list[list[int]],
-    storage: list[int],
-    mat: list[bool],
-    inlinable: list[bool],
-    backward: list[bool],
-) -> list[int]:
-    """Element-wise values a fusing compiler writes out because the values computed inline
-    behind them read more stored buffers than it allows (`tp.inductor_max_accumulated_reads`:
-    12 on CPU, 8 on GPUs): inductor stores the value, and its readers read that one buffer.
-    Its kernel is fused with its readers': read by element-wise loops alone, the buffer is
-    local to that kernel and never allocated (BEiT's layer-norm gradients); read by a scatter,
-    it is (T5's attention-bias gradient, a sum of sixteen per-chunk gradients, before its
-    scatter into the bias table's gradient). Marks those storages written in `mat` and returns
-    their nodes, in graph order. The forward's and the backward's graphs are compiled apart: a
-    forward value the backward reads is a buffer there."""
+def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backward: list[bool]) -> None:
+    """Mark written out the element-wise values a fusing compiler stores because the values it
+    computes inline behind them read more stored buffers than it allows
+    (`tp.inductor_max_accumulated_reads`: 12 on CPU, 8 on GPUs); their readers read that one
+    buffer. Its kernel is fused with its readers': read by element-wise loops alone, the buffer
+    is local to that kernel and never allocated (BEiT's layer-norm gradients); read by a
+    scatter, it is (T5's attention-bias gradient, a sum of sixteen per-chunk gradients,
+    before its scatter into the bias table's gradient). The forward's and the backward's
+    graphs are compiled apart: a forward value the backward reads is a buffer there."""
+    nodes, inputs, users, storage = graph
     limit = functools.cache(tp.inductor_max_accumulated_reads)
     reads: list[frozenset[int]] = [frozenset()] * len(nodes)
-    out: list[int] = []
     for i, n in enumerate(nodes):
         s = storage[i]
         if s < 0:
@@ -217,11 +207,8 @@ def realized_for_reads(
         pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ()) and isinstance(val, torch.Tensor)
         if pointwise and not mat[s] and inlinable[i] and len(r) > limit(val.device.type):
             r = {s}  # its readers read it
-            if _scattered(i, nodes, users, storage, mat, inlinable):
-                mat[s] = True
-                out.append(i)
+            mat[s] = _scattered(i, nodes, users, storage, mat, inlinable)
         reads[i] = frozenset({s}) if mat[s] else frozenset(r)
-    return out
 
 
 def _scattered(
@@ -262,7 +249,9 @@ def stored_on_reuse(
     chain they compute: a batch norm's recomputed output, read by the ReLU6 mask's two
     comparisons, leaves the masked gradient two reads and so unstored. `backward` tells the
     nodes of the backward graph; a forward value read there counts its backward readers.
+    First, values stored for the buffers they read are marked in `mat` (`_store_for_reads`).
     """
+    _store_for_reads((nodes, inputs, users, storage), mat, inlinable, backward)
     heavy = [False] * len(nodes)
     reads: list[frozenset[int]] = [frozenset()] * len(nodes)
     costly = [False] * len(nodes)

@@ -22,7 +22,6 @@ from fxmem.kernels import (
     is_inlinable,
     kernel_ops,
     materialized_storages,
-    realized_for_reads,
     store_reused,
     stored_on_reuse,
 )
@@ -498,11 +497,15 @@ def test_a_sum_reading_too_many_buffers_is_written_out_for_a_scatter():
 
 
 def _realized(nodes, users):
+    """The nodes whose storages `stored_on_reuse` marks written out beyond what
+    `materialized_storages` does (each node its own storage)."""
     inputs = [[nodes.index(a) for a in node.all_input_nodes] for node in nodes]
     storage = list(range(len(nodes)))
     mat = materialized_storages(nodes, users, storage, len(nodes), *kernel_ops(nodes, users))
+    before = list(mat)
     inlinable = [is_inlinable(node) for node in nodes]
-    return realized_for_reads(nodes, inputs, users, storage, mat, inlinable, [True] * len(nodes))
+    stored_on_reuse(nodes, inputs, users, storage, mat, inlinable, [True] * len(nodes))
+    return [i for i in range(len(nodes)) if mat[i] and not before[i]]
 
 
 def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
