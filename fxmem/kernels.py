@@ -21,7 +21,7 @@ from fxmem import _torch_private as tp
 
 __all__ = [
     "LAYOUT_COPY",
-    "SCATTERED_INTO",
+    "NEVER_WRITTEN_OVER",
     "is_fusible",
     "is_inlinable",
     "is_view_op",
@@ -51,9 +51,11 @@ _FUSIBLE_NON_POINTWISE = _STORED | {
     "where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding",
     "_low_memory_max_pool_offsets_to_indices",  # a max pooling's window offsets made indices
 }  # fmt: skip
-# Ops whose output buffer inductor fills by scattering into it (a mutation): no kernel writes
-# its own output over such a buffer when it dies there (a max pooling's gradient, scattered).
-SCATTERED_INTO = _SCATTERS | {"scatter", "scatter_add", "scatter_reduce", "index_add"}
+# Ops whose output buffer no kernel writes its own output over when it dies there: one inductor
+# fills by scattering into it (a mutation: a max pooling's gradient, scattered), and a
+# concatenation's, which its inputs' kernels write into and no kernel of its own makes (T5's
+# per-chunk attention-bias gradients: their sum is written to a buffer of its own).
+NEVER_WRITTEN_OVER = _SCATTERS | {"scatter", "scatter_add", "scatter_reduce", "index_add", "cat"}
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
 # inputs are copied into, by loops fused with the kernel around them.
 _WRITTEN_OUT = {"cat"} | _SCATTERS  # and a scatter's buffer, filled by mutating it
@@ -194,21 +196,34 @@ def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backw
         s = storage[i]
         if s < 0:
             continue
-        r: set[int] = set()
-        for j in inputs[i]:
-            sj = storage[j]
-            if sj < 0:
-                continue
-            if mat[sj] or not inlinable[j] or backward[j] != backward[i]:
-                r.add(sj)
-            else:
-                r |= reads[j]
+        r, _ = _inline_reads(
+            inputs[i], storage, reads, lambda j, b=backward[i]: mat[storage[j]] or not inlinable[j] or backward[j] != b
+        )
         val = n.meta.get("val")
         pointwise = torch.Tag.pointwise in getattr(n.target, "tags", ()) and isinstance(val, torch.Tensor)
         if pointwise and not mat[s] and inlinable[i] and len(r) > limit(val.device.type):
             r = {s}  # its readers read it
             mat[s] = _scattered(i, nodes, users, storage, mat, inlinable)
         reads[i] = frozenset({s}) if mat[s] else frozenset(r)
+
+
+def _inline_reads(
+    inputs: list[int], storage: list[int], reads: list[frozenset[int]], is_buffer: Callable[[int], bool]
+) -> tuple[set[int], list[int]]:
+    """The stored buffers a node with these inputs reads, directly or through the values its
+    kernel computes inline (their own `reads`), and those inline inputs; `is_buffer(j)`: input
+    `j` is read from memory."""
+    r: set[int] = set()
+    inline: list[int] = []
+    for j in inputs:
+        if storage[j] < 0:
+            continue
+        if is_buffer(j):
+            r.add(storage[j])
+        else:
+            inline.append(j)
+            r |= reads[j]
+    return r, inline
 
 
 def _scattered(
@@ -260,17 +275,13 @@ def stored_on_reuse(
         val = n.meta.get("val")
         on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
         h = on_cpu and op_name(n) in _HEAVY_ON_CPU
-        r: set[int] = set()
-        for j in inputs[i]:
-            sj = storage[j]
-            if sj < 0:
-                continue
-            if mat[sj] or not inlinable[j] or sj in reused[backward[i]]:
-                r.add(sj)
-            else:
-                h = h or heavy[j]
-                r |= reads[j]
-        heavy[i] = h
+        r, inline = _inline_reads(
+            inputs[i],
+            storage,
+            reads,
+            lambda j, b=backward[i]: mat[storage[j]] or not inlinable[j] or storage[j] in reused[b],
+        )
+        h = heavy[i] = h or any(heavy[j] for j in inline)
         reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
         costly[i] = h or len(r) > _MAX_INLINED_READS
         if costly[i] and storage[i] >= 0:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
-from fxmem.kernels import SCATTERED_INTO, op_name, reach
+from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
@@ -257,13 +257,11 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     strides, or be a reshape of it that no reduction reads (an mm's (B*T, 4C) output read as
     (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
     (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
-    transpose). Never a buffer a scatter filled (inductor's mutation of it), nor a
-    concatenation's, which its inputs' kernels write into and no kernel of its own makes
-    (T5's per-chunk attention-bias gradients: their sum is written to a buffer of its own)."""
+    transpose). Never a buffer a scatter filled or a concatenation's (`NEVER_WRITTEN_OVER`)."""
     want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
     if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
         return False
-    if op_name(jg.nodes[maker]) in SCATTERED_INTO or op_name(jg.nodes[maker]) == "cat":
+    if op_name(jg.nodes[maker]) in NEVER_WRITTEN_OVER:
         return False
     r = jg.storage[maker]
     if not (want.shape == made.shape and want.stride() == made.stride()):

@@ -243,13 +243,13 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
     m.bindings["gqa"] = None
     ks, vs = _unrepeat(m.bindings["k"]), _unrepeat(m.bindings["v"])
     repeated = ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1
-    if repeated and _grouped_stays_fused(m, q, example_value(ks[0])):
+    if repeated and _grouped_stays_fused(m, q, example_value(ks[0]), example_value(vs[0])):
         m.bindings["gqa"] = (ks[0], vs[0])
     return None
 
 
-def _grouped_stays_fused(m: Match, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether SDPA with `enable_gqa=True` and the keys and values unrepeated (`k`) keeps a fused
+def _grouped_stays_fused(m: Match, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA with `enable_gqa=True` and the keys and values unrepeated (`k`, `v`) keeps a fused
     kernel wherever the repeated ones would have one. On CUDA only flash attention takes grouped
     heads, and only in half precision: in fp32 `enable_gqa` falls back to the math kernel, which
     keeps the (B, heads, T, T) weights for the backward, while the repeated keys and values run
@@ -260,23 +260,21 @@ def _grouped_stays_fused(m: Match, q: torch.Tensor, k: torch.Tensor) -> bool:
     mask = m.val("mask") if m.bindings.get("mask") is not None else None
     fill = m.bindings.get("fill")
     dropout = float(m.bindings.get("p") or 0.0) if m.bindings.get("training") else 0.0
-    t = 64
+    t, n, grad = 64, q.shape[1], q.requires_grad or k.requires_grad
     with _torch_private.real_tensors():
 
-        def like(x: torch.Tensor, heads: int, grad: bool) -> torch.Tensor:
+        def like(x: torch.Tensor, heads: int) -> torch.Tensor:
             return torch.zeros(1, heads, t, x.shape[-1], dtype=x.dtype, device=x.device, requires_grad=grad)
 
-        grad = q.requires_grad or k.requires_grad
-        qs, ks = like(q, q.shape[1], grad), like(k, k.shape[1], grad)
         kwargs = {"dropout_p": dropout, "is_causal": bool(m.bindings["causal"])}
         if mask is not None:
             bool_mask = mask.dtype == torch.bool and (fill is None or fill == float("-inf"))
             kwargs["attn_mask"] = torch.zeros(
                 (1,) * (mask.ndim - 2) + (t, t), dtype=torch.bool if bool_mask else q.dtype, device=q.device
             )
-        grouped = _torch_private.sdpa_backend(qs, ks, ks, enable_gqa=True, **kwargs)
-        repeated = like(k, q.shape[1], grad)
-        whole = _torch_private.sdpa_backend(qs, repeated, repeated, **kwargs)
+        qs = like(q, n)
+        grouped = _torch_private.sdpa_backend(qs, like(k, k.shape[1]), like(v, v.shape[1]), enable_gqa=True, **kwargs)
+        whole = _torch_private.sdpa_backend(qs, like(k, n), like(v, n), **kwargs)
     math = type(grouped).MATH
     return not (grouped == math and whole != math)
 

@@ -369,6 +369,26 @@ def test_a_scatter_and_what_an_as_strided_view_reads_are_written_out():
     assert not mat[strided], "the view itself is no buffer of its own"
 
 
+def test_a_heavy_op_behind_a_value_computed_inline_makes_it_stored_when_reused():
+    """On CPU inductor stores a value several kernels read when the chain computed inline
+    behind it applies a heavy op (an exp), even where the value itself is a cheap multiply."""
+
+    def f(x):
+        y = x.exp() * 2.0
+        return y + 1.0, y.sum(0)
+
+    nodes, users = _aten_graph(f, torch.randn(8, 8))
+    inputs = [[nodes.index(a) for a in n.all_input_nodes] for n in nodes]
+    storage = list(range(len(nodes)))
+    mat = materialized_storages(nodes, users, storage, len(nodes), *kernel_ops(nodes, users))
+    inlinable = [is_inlinable(n) for n in nodes]
+    stored = stored_on_reuse(nodes, inputs, users, storage, mat, inlinable, [True] * len(nodes))
+    (y,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mul.Tensor]
+    (e,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.exp.default]
+    assert not mat[e] and len(users[y]) == 2
+    assert stored[y]
+
+
 def test_a_value_read_twice_by_one_written_value_is_computed_in_its_loop():
     """A SiLU's sigmoid, read twice by its gradient: inductor stores it (an exp on CPU, read by
     two ops), then computes it in the loop writing the gradient, its only reader, and drops the
