@@ -99,6 +99,26 @@ def _real(obj: object, made: list[torch.Tensor]) -> object:
     return obj
 
 
+def _probe_arguments(node: fx.Node, made: list[torch.Tensor]) -> tuple[tuple, dict]:
+    """Real arguments for a probe of `node`. Where the op reads dropout's random state from
+    tensors (the attention backwards' `philox_seed` and `philox_offset`), the probe runs with
+    dropout off: the kernels' scratch space does not depend on it, and those tensors, which the
+    CUDA kernels read on the host outside graph capture, are host tensors that the fake values
+    place on the device (read there as host memory, they crash the process)."""
+    args, kwargs = list(_real(node.args, made)), dict(_real(node.kwargs, made))
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if any(n.startswith("philox_") for n in names):
+        for i, name in enumerate(names):
+            if name == "dropout_p" or name.startswith("philox_"):
+                value = 0.0 if name == "dropout_p" else torch.zeros((), dtype=torch.int64)
+                if i < len(args):
+                    args[i] = value
+                elif name in kwargs:
+                    kwargs[name] = value
+    return tuple(args), kwargs
+
+
 def _outputs_bytes(out: object) -> int:
     if isinstance(out, torch.Tensor):
         return out.untyped_storage().nbytes()
@@ -117,7 +137,7 @@ def _run(node: fx.Node) -> int | None:
 def _run_real(node: fx.Node) -> int:
     made: list[torch.Tensor] = []
     try:
-        args, kwargs = _real(node.args, made), _real(node.kwargs, made)
+        args, kwargs = _probe_arguments(node, made)
         if sum(t.untyped_storage().nbytes() for t in made) > _MAX_PROBE_BYTES:
             return 0
         device = made[0].device if made else torch.device("cpu")

@@ -69,13 +69,40 @@ def test_budget_holds_on_cuda(passes, where):
     assert max_rel_err(grads_of(model), ref) < 1e-4
 
 
-def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
-    # A fresh interpreter: no matmul has run on the device before fxmem plans. It runs in
-    # tmp_path, so that the checkout's fxmem/ (without fxmem.passes) shadows no installed one.
+# What the fresh-interpreter cases run once `model`, `batch` and the optimized `m` exist: a
+# step, the gradients cleared, and a step measured, `got`.
+_MEASURED_STEP = """
+def step(idx, targets):
+    m(idx, targets).backward()
+step(*batch)
+for p in model.parameters():
+    p.grad = None
+got = fxmem.measure(step, *batch)
+"""
+
+
+def _fresh_interpreter(setup: str, report: str, tmp_path) -> dict:
+    """Runs `setup`, a measured step and `report` in a new Python process and returns the
+    JSON the report's last line prints. It runs in tmp_path, so that the checkout's fxmem/
+    (without fxmem.passes) shadows no installed one; a crash of the process fails the test
+    instead of ending the run."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
-    code = textwrap.dedent(
-        """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(setup) + _MEASURED_STEP + textwrap.dedent(report)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
+    # A fresh interpreter: no matmul has run on the device before fxmem plans.
+    code = """
         import json, torch, fxmem
         from fxmem.workspaces import OUTSIDE_TENSORS
         from fxmem.measure import live_tensor_bytes
@@ -85,28 +112,14 @@ def test_the_plan_counts_cublas_workspaces_before_any_step(tmp_path):
         model, batch = GPT(cfg).cuda(), tuple(t.cuda() for t in gpt_batch(cfg, 2, 128))
         m = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager")
         planned = m.plan.breakdown.get(OUTSIDE_TENSORS, 0)
-        def step(idx, targets):
-            m(idx, targets).backward()
-        step(*batch)
-        for p in model.parameters():
-            p.grad = None
-        got = fxmem.measure(step, *batch)
+        """
+    report = """
         for p in model.parameters():
             p.grad = None
         print(json.dumps({"planned": planned, "entry_outside": got.entry_bytes - live_tensor_bytes("cuda"),
                           "sm": torch.cuda.get_device_capability()[0]}))
         """
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": path},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _fresh_interpreter(code, report, tmp_path)
     per_thread = (32 if r["sm"] >= 9 else 8) * MiB  # cuBLAS's default workspace (CUBLAS_WORKSPACE_CONFIG unset)
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:
         assert r["planned"] >= 2 * per_thread, r  # the forward's thread and autograd's
@@ -120,3 +133,29 @@ def test_dropout_seeds_read_from_buffers_draw_the_same_numbers(monkeypatch):
     from_buffers, by_index = dropout_blocks_runs(monkeypatch, "cuda")
     assert "fxmem.rows" in from_buffers[2] and "fxmem.rows" not in by_index[2]
     assert_same_step(from_buffers, by_index)
+
+
+def test_attention_with_dropout_is_planned_and_held_on_cuda(tmp_path):
+    """swap_sdpa gives a GPT with attention dropout the memory-efficient kernel, whose backward
+    reads dropout's seed and offset on the host. Planning probes that backward's workspace on
+    real tensors: made on the device as the fake values say, they crashed the process. The step
+    runs at its floor, within the budget."""
+    code = """
+        import json, torch, fxmem
+        from fxmem.testing import GPT, GPTConfig, gpt_batch
+        cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+        torch.manual_seed(0)
+        model, batch = GPT(cfg).cuda(), tuple(t.cuda() for t in gpt_batch(cfg, 4, 256))
+        try:
+            fxmem.optimize(model, 1e-6, example_inputs=batch)
+        except fxmem.BudgetError as e:
+            floor = e.floor_bytes
+        m = fxmem.optimize(model, (floor + 0.5) / 2**30, example_inputs=batch)
+        """
+    report = """
+        print(json.dumps({"peak": got.peak_bytes, "budget": m.plan.budget_bytes, "rewrites": m.plan.rewrites,
+                          "finite": all(bool(p.grad.isfinite().all()) for p in model.parameters())}))
+        """
+    r = _fresh_interpreter(code, report, tmp_path)
+    assert r["rewrites"].get("swap_sdpa", 0) > 0, r
+    assert r["finite"] and r["peak"] <= r["budget"], r

@@ -27,7 +27,7 @@ from fxmem.kernels import (
 )
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
-from fxmem.probe import workspace_bytes
+from fxmem.probe import _probe_arguments, workspace_bytes
 from fxmem.schedule import kernel_ends, outputs_made_at
 from fxmem.simulate import _reads_in_place, simulate, simulate_modules
 from fxmem.testing import GPT, GPTConfig, ViT, ViTBlock, ViTConfig, gpt_batch, vit_batch
@@ -576,6 +576,36 @@ def test_attention_workspace_is_measured():
     assert workspace_bytes(attn) > 0
     mm = _aten_graph(torch.mm, torch.randn(8, 8), torch.randn(8, 8))[0][-1]
     assert workspace_bytes(mm) == 0
+
+
+def test_an_attention_backward_with_dropout_is_probed_with_dropout_off_and_host_seeds():
+    """The CUDA attention backwards read dropout's seed and offset on the host (outside graph
+    capture), while the fake values place them on the device: a probe run as the fake values
+    say crashed the process. It runs with dropout off (the scratch space does not depend on it)
+    and the random state on the host; an op without such state keeps its arguments."""
+
+    def backward(g, q, k, v, out, lse, seed, offset):
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            g, q, k, v, None, out, lse, seed, offset, 0.1, [True, True, True, False]
+        )
+
+    qkv = [torch.randn(1, 2, 8, 4) for _ in range(5)]
+    seeds = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
+    gm = make_fx(backward, tracing_mode="fake")(*qkv, torch.randn(1, 2, 8), *seeds)
+    (bwd,) = [n for n in gm.graph.nodes if "efficient_attention_backward" in str(n.target)]
+    assert bwd.args[9] == 0.1
+    args, _ = _probe_arguments(bwd, [])
+    assert args[9] == 0.0
+    assert all(a.device.type == "cpu" and a.dtype == torch.int64 and a.dim() == 0 for a in args[7:9])
+    assert [tuple(a.shape) for a in args[:4]] == [(1, 2, 8, 4)] * 4
+
+    def forward(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, dropout_p=0.1)[0]
+
+    nodes, _ = _aten_graph(forward, *qkv[:3])
+    (attn,) = [n for n in nodes if "scaled_dot_product" in str(n.target)]
+    args, kwargs = _probe_arguments(attn, [])
+    assert (args[3:], kwargs) == (tuple(attn.args[3:]), dict(attn.kwargs))
 
 
 def test_convolution_and_batch_norm_workspaces_are_measured_when_run_op_by_op():
