@@ -295,7 +295,9 @@ class JointGraph:
             kernels.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
         )
         if fusing:
-            kernels.store_reused(backward, users, storage, materialized, fusible, inlinable, stored_on_reuse)
+            kernels.store_reused(
+                (nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored_on_reuse
+            )
         return cls(
             fusible=fusible,
             inlinable=inlinable,

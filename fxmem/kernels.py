@@ -292,9 +292,8 @@ def stored_on_reuse(
 
 
 def store_reused(
+    graph: tuple,
     backward: list[bool],
-    users: list[list[int]],
-    storage: list[int],
     mat: list[bool],
     fusible: list[bool],
     inlinable: list[bool],
@@ -307,20 +306,26 @@ def store_reused(
     values are judged where the plan recomputes them (`simulate`'s `inlined`). A value whose
     readers all feed one element-wise value written out (through values computed inline: a
     SiLU's sigmoid, read twice by its gradient) is computed in that value's loop, its buffer
-    dropped (UNet's SiLU gradients before their group norm's backward); one a reduction reads,
-    or two written values, is read by loops of its own (a batch norm's backward sums)."""
+    dropped (UNet's SiLU gradients before their group norm's backward), when both loops run
+    over the same nest; one a reduction reads, or two written values, is read by loops of its
+    own (a batch norm's backward sums). `graph`: (nodes, inputs, users, storage)."""
+    nodes, inputs, users, storage = graph
     for i in range(len(storage) - 1, -1, -1):  # readers first: whether they are written
         s = storage[i]
         if not backward[i] or s < 0 or mat[s] or not inlinable[i] or not stored[i]:
             continue
         readers = [u for u in users[i] if fusible[u]]
-        if len(readers) > 1 and not _one_loop(i, users, storage, mat, inlinable):
+        if len(readers) > 1 and not _one_loop(i, graph, mat, inlinable):
             mat[s] = True
 
 
-def _one_loop(i: int, users: list[list[int]], storage: list[int], mat: list[bool], inlinable: list[bool]) -> bool:
+def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> bool:
     """Whether what node `i`'s readers compute inline from it ends in one element-wise value
-    written out: the loop writing that value computes `i` too, and no other loop reads `i`."""
+    written out, in a loop nest of the same sizes as `i`'s own: the loop writing that value
+    computes `i` too, and no other loop reads `i`. Where the nests differ, `i`'s loop writes
+    it to a buffer the other reads (a batch norm's output, whose loop runs over N*H*W and C,
+    read by a SiLU's gradient that adds a mean pooling's gradient: N, H*W and C)."""
+    nodes, inputs, users, storage = graph
 
     def inline(u: int) -> list[int]:  # readers of a value computed inline, not written out
         return users[u] if inlinable[u] and storage[u] >= 0 and not mat[storage[u]] else []
@@ -333,7 +338,90 @@ def _one_loop(i: int, users: list[list[int]], storage: list[int], mat: list[bool
             ends.add(u)
             if len(ends) > 1:
                 return False
-    return len(ends) == 1
+    if len(ends) != 1:
+        return False
+    (end,) = ends
+
+    def is_buffer(j: int) -> bool:
+        return j != i and (storage[j] < 0 or mat[storage[j]] or not inlinable[j])
+
+    mine, theirs = _loop_sizes(i, nodes, inputs, is_buffer), _loop_sizes(end, nodes, inputs, is_buffer)
+    return mine is None or theirs is None or mine == theirs
+
+
+# Views whose dimensions map onto their input's one to one, size-1 dimensions aside.
+_SAME_DIMS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "alias", "clone", "expand"}
+
+
+def _loop_sizes(
+    i: int, nodes: list[fx.Node], inputs: list[list[int]], is_buffer: Callable[[int], bool]
+) -> tuple[int, ...] | None:
+    """The sizes of the loop nest that computes element-wise node `i`, as inductor simplifies
+    it: its dimensions in its layout's order (outermost first), size-1 ones dropped, and two
+    adjacent ones merged when every buffer its loop reads (through values computed inline;
+    `is_buffer(j)`: node `j` is read from memory) varies along both or along neither. None
+    where a view between them is not followed (a reshape that merges dimensions)."""
+    val = nodes[i].meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = [d for d in sorted(range(val.dim()), key=lambda d: -val.stride(d)) if val.shape[d] != 1]
+    masks: set[frozenset[int]] = set()
+    # (node, for each of its dimensions the dimension of `i` it runs along, or None)
+    todo: list[tuple[int, list[int | None]]] = [(i, list(range(val.dim())))]
+    seen: set[tuple[int, tuple]] = set()
+    while todo:
+        u, along = todo.pop()
+        if (u, tuple(along)) in seen:
+            continue
+        seen.add((u, tuple(along)))
+        out = nodes[u].meta.get("val")
+        for j in inputs[u]:
+            x = nodes[j].meta.get("val")
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                continue
+            mapped = _input_dims(nodes[u], out, x, along)
+            if mapped is None:
+                return None
+            if is_buffer(j):
+                masks.add(frozenset(d for d in mapped if d is not None and val.shape[d] != 1))
+            else:
+                todo.append((j, mapped))
+    sizes: list[int] = []
+    prev = None
+    for d in dims:
+        if prev is not None and all((prev in m) == (d in m) for m in masks):
+            sizes[-1] *= val.shape[d]
+        else:
+            sizes.append(int(val.shape[d]))
+        prev = d
+    return tuple(sizes)
+
+
+def _input_dims(node: fx.Node, out: torch.Tensor, x: torch.Tensor, along: list[int | None]) -> list[int | None] | None:
+    """For each dimension of input `x` of `node` (whose output `out` runs along `along`), the
+    dimension it runs along (None: broadcast, or size 1); None when not followed."""
+    name = op_name(node)
+    if name == "permute":
+        perm = node.args[1]
+        res: list[int | None] = [None] * x.dim()
+        for k, p in enumerate(perm):
+            res[p % x.dim()] = along[k]
+        return res
+    if torch.Tag.pointwise in getattr(node.target, "tags", ()) or name in ("where", "expand"):
+        if x.dim() > out.dim():
+            return None
+        off = out.dim() - x.dim()
+        return [None if x.shape[d] == 1 else along[d + off] for d in range(x.dim())]
+    if name in _SAME_DIMS or node.target is operator.getitem:
+        big_out = [d for d in range(out.dim()) if out.shape[d] != 1]
+        big_x = [d for d in range(x.dim()) if x.shape[d] != 1]
+        if [out.shape[d] for d in big_out] != [x.shape[d] for d in big_x]:
+            return None
+        res = [None] * x.dim()
+        for dx, do in zip(big_x, big_out, strict=True):
+            res[dx] = along[do]
+        return res
+    return None
 
 
 def reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int]:

@@ -16,7 +16,9 @@ from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_gra
 
 import fxmem
 from benchmarks.cnn_floor import MODELS as CNNS
+from fxmem import partition
 from fxmem._torch_private import own_recompiles
+from fxmem.cost import DeviceRates
 from fxmem.measure import live_tensor_bytes
 from fxmem.testing import GPT, ConvNet, GPTConfig, gpt_batch
 
@@ -108,20 +110,31 @@ def test_batchnorm_running_stats_updated_once():
     assert max_rel_err(grads_of(planned), grads_of(eager)) < 1e-4
 
 
+# The rates of a machine whose copies run at 4 GiB/s (half the usual): the planner's walk ends
+# at another floor, where the SiLU stack's batch norms are recomputed in the backward.
+_SLOW_COPIES = DeviceRates(flops_per_s=97184015999.2336, bytes_per_s=2.0**32)
+
+
 @pytest.mark.parametrize(
-    "name, compiler",
+    "name, compiler, rates",
     [
-        ("convnet", "eager"),
-        ("convnet", "inductor"),
-        ("unet", "inductor"),
-        ("hf-resnet", "inductor"),
-        ("hf-convnext", "inductor"),
-        ("hf-regnet", "inductor"),
-        ("hf-mobilenetv2", "inductor"),
-        ("silu-stack", "inductor"),
+        *[
+            pytest.param(name, compiler, None, id=f"{name}-{compiler}")
+            for name, compiler in (
+                ("convnet", "eager"),
+                ("convnet", "inductor"),
+                ("unet", "inductor"),
+                ("hf-resnet", "inductor"),
+                ("hf-convnext", "inductor"),
+                ("hf-regnet", "inductor"),
+                ("hf-mobilenetv2", "inductor"),
+                ("silu-stack", "inductor"),
+            )
+        ],
+        pytest.param("silu-stack", "inductor", _SLOW_COPIES, id="silu-stack-inductor-slow-copies"),
     ],
 )
-def test_cnn_held_at_its_floor(name, compiler):
+def test_cnn_held_at_its_floor(name, compiler, rates, monkeypatch):
     """CNNs at the smallest budget fxmem plans for: the measured peak is within the budget and
     within 3% of the predicted one. What the plan has to get right: run op by op, CPU
     convolutions' and batch norm's workspaces; under inductor, which runs convolutions
@@ -136,9 +149,14 @@ def test_cnn_held_at_its_floor(name, compiler):
     batch norm's input gradient twice: 16% over the plan for the SiLU stack). The models and sizes are
     benchmarks/cnn_floor.py's. Batch-norm
     gradients are ill-conditioned in fp32 (eager's own are 3e-4 from fp64's): fxmem's are held
-    to the fp64 ones within ten times eager's error."""
+    to the fp64 ones within ten times eager's error. With `rates`, the planner's cost model
+    uses those instead of the machine's: with slower copies the SiLU stack's floor recomputes
+    its batch norms, whose outputs inductor writes to buffers of their own where the SiLU's
+    gradient runs over other loops (8 MiB over the budget before that was modelled)."""
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
+    if rates is not None:
+        monkeypatch.setattr(partition, "measure_rates", lambda device: rates)
     torch.manual_seed(0)
     model, batch = CNNS[name]()
     model.train()

@@ -402,17 +402,52 @@ def test_a_value_read_twice_by_one_written_value_is_computed_in_its_loop():
         return out
 
     for keep in (False, True):
-        nodes, users = _aten_graph(functools.partial(f, keep=keep), torch.randn(8, 8), torch.randn(8, 8))
-        inputs = [[nodes.index(a) for a in n.all_input_nodes] for n in nodes]
-        storage = list(range(len(nodes)))
-        fusible, folded = kernel_ops(nodes, users)
-        mat = materialized_storages(nodes, users, storage, len(nodes), fusible, folded)
-        inlinable, backward = [is_inlinable(n) for n in nodes], [True] * len(nodes)
-        stored = stored_on_reuse(nodes, inputs, users, storage, mat, inlinable, backward)
-        (sig,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.sigmoid.default]
-        assert stored[sig] and len(users[sig]) == 2
-        store_reused(backward, users, storage, mat, fusible, inlinable, stored)
+        nodes, mat, sig = _written_out_after_reuse(
+            functools.partial(f, keep=keep), torch.randn(8, 8), torch.randn(8, 8), of_input=False
+        )
         assert mat[sig] is keep, keep
+
+
+def _written_out_after_reuse(f, *args, of_input: bool) -> tuple[list, list[bool], int]:
+    """The graph `f` traces to (taken as a backward's), which storages a fusing compiler writes
+    out once the values several ops read are judged (`stored_on_reuse`, `store_reused`), and
+    the node so judged: the first sigmoid, or with `of_input` what it reads. That node must
+    be one such value: stored, and read by two ops."""
+    nodes, users = _aten_graph(f, *args)
+    inputs = [[nodes.index(a) for a in n.all_input_nodes] for n in nodes]
+    storage = list(range(len(nodes)))
+    fusible, folded = kernel_ops(nodes, users)
+    mat = materialized_storages(nodes, users, storage, len(nodes), fusible, folded)
+    inlinable, backward = [is_inlinable(n) for n in nodes], [True] * len(nodes)
+    stored = stored_on_reuse(nodes, inputs, users, storage, mat, inlinable, backward)
+    (value,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.sigmoid.default]
+    if of_input:
+        (value,) = inputs[value]
+    assert stored[value] and len(users[value]) == 2
+    store_reused((nodes, inputs, users, storage), backward, mat, fusible, inlinable, stored)
+    return nodes, mat, value
+
+
+def test_a_value_read_by_a_loop_over_other_sizes_is_written_out():
+    """A batch norm's output, read twice by a SiLU's gradient that also adds a mean pooling's
+    gradient (one value per image and channel): channels-last, the output's loop runs over
+    N*H*W and C, the gradient's over N, H*W and C, so inductor writes the output to a buffer
+    the gradient's loop reads (a residual CNN's peak held 8 MiB more than its plan). Laid out
+    (N, C, H, W), both loops run over N, C and H*W, and the output is computed in the
+    gradient's loop, its buffer dropped."""
+
+    def f(x, w, b, pooled, other):
+        var, mean = torch.var_mean(x, (0, 2, 3), keepdim=True)
+        y = (x - mean) * (var + 1e-5).rsqrt() * w[:, None, None] + b[:, None, None]
+        sig = torch.sigmoid(y)
+        return ((pooled[:, :, None, None] / 16.0 + other) * sig * (1 + y * (1 - sig)) * 2.0,)
+
+    for layout, stored in ((torch.contiguous_format, False), (torch.channels_last, True)):
+        x, other = (torch.randn(2, 8, 4, 4).contiguous(memory_format=layout) for _ in range(2))
+        nodes, mat, y = _written_out_after_reuse(
+            f, x, torch.randn(8), torch.randn(8), torch.randn(2, 8), other, of_input=True
+        )
+        assert nodes[y].target is torch.ops.aten.add.Tensor and mat[y] is stored, layout
 
 
 def _in_place_case(f, *args):
