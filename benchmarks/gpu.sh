@@ -10,10 +10,12 @@
 # is stopped. Eight files in all: three logs, two from the budget check, three from run.py (with
 # one model).
 #
-#     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS] [PARTS]
+#     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS] [PARTS] [RUN_ARGS]
 #
 # PARTS: which of tests, budget and bench to run, comma-separated (default all three): with
-# bench alone, the benchmark has the whole time for MODELS.
+# bench alone, the benchmark has the whole time for MODELS. RUN_ARGS: more options for run.py
+# (say --quick: one activation_memory_budget and one fxmem budget beside its floor, at the
+# model's GPU size when it has no quick one).
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
 # networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
 # when python3 cannot import it. Exit status: 0 when all three succeeded; else the tests' (1:
@@ -25,6 +27,7 @@ case "$out" in /*) ;; *) out=$PWD/$out ;; esac
 minutes=${2:-9}
 models=${3:-gpt}
 parts=,${4:-tests,budget,bench},
+read -r -a run_args <<<"${5:-}"
 wants() { case "$parts" in *,"$1",*) return 0 ;; esac; return 1; }
 for p in ${parts//,/ }; do
     case "$p" in tests | budget | bench) ;; *) echo "PARTS: unknown part '$p' (tests, budget, bench)" >&2; exit 2 ;; esac
@@ -95,7 +98,7 @@ if ! wants bench; then
     :
 elif [ "$remaining" -gt 120 ]; then
     timeout -k 10 $((remaining - 15)) python3 benchmarks/run.py --device cuda --models "$models" \
-        --time-limit $((remaining - 100)) --out-dir "$out/cuda" 2>&1 | tee "$out/cuda.log"
+        --time-limit $((remaining - 100)) --out-dir "$out/cuda" "${run_args[@]}" 2>&1 | tee "$out/cuda.log"
     bench=${PIPESTATUS[0]}
 else
     echo "benchmark not run: ${remaining} s left"
