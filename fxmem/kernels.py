@@ -322,9 +322,10 @@ def store_reused(
 def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> bool:
     """Whether what node `i`'s readers compute inline from it ends in one element-wise value
     written out, in a loop nest of the same sizes as `i`'s own: the loop writing that value
-    computes `i` too, and no other loop reads `i`. Where the nests differ, `i`'s loop writes
-    it to a buffer the other reads (a batch norm's output, whose loop runs over N*H*W and C,
-    read by a SiLU's gradient that adds a mean pooling's gradient: N, H*W and C)."""
+    computes `i` too, and no other loop reads `i`. On CPU, where the nests differ, `i`'s loop
+    writes it to a buffer the other reads (a batch norm's output, whose loop runs over N*H*W
+    and C, read by a SiLU's gradient that adds a mean pooling's gradient: N, H*W and C).
+    Inductor's GPU kernels fuse loops over as many elements whatever their sizes."""
     nodes, inputs, users, storage = graph
 
     def inline(u: int) -> list[int]:  # readers of a value computed inline, not written out
@@ -341,6 +342,9 @@ def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> b
     if len(ends) != 1:
         return False
     (end,) = ends
+    val = nodes[i].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+        return True
 
     def is_buffer(j: int) -> bool:
         return j != i and (storage[j] < 0 or mat[storage[j]] or not inlinable[j])
