@@ -110,8 +110,8 @@ def test_batchnorm_running_stats_updated_once():
     assert max_rel_err(grads_of(planned), grads_of(eager)) < 1e-4
 
 
-# The rates of a machine whose copies run at 4 GiB/s (half the usual): the planner's walk ends
-# at another floor, where the SiLU stack's batch norms are recomputed in the backward.
+# The cost model's rates on a 2-core machine whose copies it timed at 4 GiB/s: there the planner's
+# walk ends at another floor, where the SiLU stack's batch norms are recomputed in the backward.
 _SLOW_COPIES = DeviceRates(flops_per_s=97184015999.2336, bytes_per_s=2.0**32)
 
 
