@@ -353,8 +353,9 @@ def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> b
     return mine is None or theirs is None or mine == theirs
 
 
-# Views whose dimensions map onto their input's one to one, size-1 dimensions aside.
-_SAME_DIMS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "alias", "clone", "expand"}
+# Views whose dimensions map onto their input's one to one, size-1 dimensions aside (expand is
+# read as a broadcast).
+_SAME_DIMS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "alias", "clone"}
 
 
 def _loop_sizes(
@@ -416,7 +417,7 @@ def _input_dims(node: fx.Node, out: torch.Tensor, x: torch.Tensor, along: list[i
             return None
         off = out.dim() - x.dim()
         return [None if x.shape[d] == 1 else along[d + off] for d in range(x.dim())]
-    if name in _SAME_DIMS or node.target is operator.getitem:
+    if name in _SAME_DIMS:
         big_out = [d for d in range(out.dim()) if out.shape[d] != 1]
         big_x = [d for d in range(x.dim()) if x.shape[d] != 1]
         if [out.shape[d] for d in big_out] != [x.shape[d] for d in big_x]:
