@@ -1,9 +1,10 @@
 """What is alive at a CUDA step's measured peak, beside what the plan predicted alive at its own.
 
-    python benchmarks/cuda_peak.py [--passes default|none] [--budget floor|unconstrained]
+    python benchmarks/cuda_peak.py [--passes default|none] [--budget floor|unconstrained] [--model NAME]
 
-The small GPT of tests/test_cuda.py (4 layers, d64, vocab 512, batch 4 x 256, fp32) under
-`fxmem.optimize` at its floor (default) runs one step with the CUDA allocator's history
+The small GPT of tests/test_cuda.py (4 layers, d64, vocab 512, batch 4 x 256, fp32; or NAME,
+a model of benchmarks/run.py at its CUDA size) under `fxmem.optimize` at its floor (default)
+runs one step with the CUDA allocator's history
 recorded (`torch.cuda.memory._record_memory_history`, Python stacks). The history is replayed
 to the moment of its highest requested bytes (which `memory_stats()["requested_bytes.all.peak"]`
 reads; `torch.cuda.max_memory_allocated()` counts the allocator's rounded blocks, both are
@@ -21,6 +22,7 @@ import linecache
 import os
 import sys
 from collections import defaultdict
+from typing import Any
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -119,27 +121,49 @@ def _report_predicted(plan) -> int:
     return peak
 
 
+_TEST_GPT = "test-gpt"
+
+
+def _build(name: str, ap: argparse.ArgumentParser) -> tuple[torch.nn.Module, Any]:
+    """The model and batch on the GPU: the small GPT of tests/test_cuda.py, or a benchmark model at
+    its CUDA size."""
+    from benchmarks._models import MODELS
+
+    if name == _TEST_GPT:
+        from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+        cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)
+        model, batch = GPT(cfg), gpt_batch(cfg, 4, 256)
+    elif name in MODELS and "cuda" in MODELS[name].sizes:
+        model, batch = MODELS[name].sizes["cuda"].build()
+    else:
+        cuda = [n for n, spec in MODELS.items() if "cuda" in spec.sizes]
+        ap.error(f"--model {name!r}: not {_TEST_GPT} or one of {', '.join(cuda)}")
+    model.cuda().train()
+    if isinstance(batch, dict):
+        return model, {k: v.cuda() for k, v in batch.items()}
+    return model, tuple(t.cuda() for t in batch)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", choices=("default", "none"), default="default")
     ap.add_argument("--budget", choices=("floor", "unconstrained"), default="floor")
+    ap.add_argument("--model", default=_TEST_GPT, help=f"{_TEST_GPT} or a model of benchmarks/run.py")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
 
     import fxmem
-    from benchmarks._harness import call_model, floor_of, zero_grads
+    from benchmarks._harness import floor_of, train_step, zero_grads
     from fxmem import probe
-    from fxmem.testing import GPT, GPTConfig, gpt_batch
 
     passes = None if args.passes == "default" else ()
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_embd=64)
-    model = GPT(cfg).cuda()
-    batch = tuple(t.cuda() for t in gpt_batch(cfg, 4, 256))
+    model, batch = _build(args.model, ap)
 
     def step(module):
-        call_model(module, batch).backward()
+        train_step(module, batch)
 
     step(model)  # cuBLAS's workspaces exist from here on
     zero_grads(model)
@@ -149,7 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         if floor is None:
             raise SystemExit(f"no floor to run at: {why}")
         budget_gb = (floor + 0.5) / 2**30
-    m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
+    try:
+        m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
+    except fxmem.BudgetError as e:  # what the floor search left cached counts now: its floor
+        if args.budget != "floor" or e.floor_bytes is None:
+            raise
+        print(f"the floor found first ({budget_gb * 1024:.1f} MiB) was refused; at {e.floor_bytes / MiB:.1f}")
+        m = fxmem.optimize(model, (e.floor_bytes + 0.5) / 2**30, example_inputs=batch, passes=passes)
     step(m)  # compiles
     zero_grads(model)
     torch.cuda.synchronize()
@@ -168,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     peak = torch.cuda.max_memory_allocated()
     requested_peak = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
     plan = m.plan
-    print(f"passes={args.passes} budget={args.budget}: {torch.cuda.get_device_name()} torch {torch.__version__}")
+    print(
+        f"{args.model}, passes={args.passes} budget={args.budget}: {torch.cuda.get_device_name()} torch {torch.__version__}"
+    )
     print(
         f"entry {entry / MiB:.3f} MiB, measured peak {peak / MiB:.3f} MiB (the step added "
         f"{(peak - entry) / MiB:.3f}), predicted {plan.predicted_peak_bytes / MiB:.3f} MiB, budget "

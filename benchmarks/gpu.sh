@@ -5,14 +5,17 @@
 #   1. benchmarks/budget_check.py --device cuda: the GPT-2-small-shaped GPT held by the planner
 #      alone (passes=()) to 80%, 60% and 50% of eager's measured peak, then with the default
 #      passes at its floor (torch.cuda.max_memory_allocated against each budget);
-#   2. benchmarks/run.py --device cuda on MODELS (default: gpt), with the time that is left.
+#   2. benchmarks/run.py --device cuda on MODELS (default: gpt), with the time that is left;
+#   or, as part peak, benchmarks/cuda_peak.py on each of MODELS at its CUDA size, unconstrained
+#   and at its floor (what is alive at the measured peak beside the plan's), into peak-MODEL.log.
 # The budget check rewrites its report after every point; run.py after every model, and when it
 # is stopped. Eight files in all: three logs, two from the budget check, three from run.py (with
 # one model).
 #
 #     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS] [PARTS] [RUN_ARGS]
 #
-# PARTS: which of tests, budget and bench to run, comma-separated (default all three): with
+# PARTS: which of tests, budget, peak and bench to run, comma-separated (default tests, budget
+# and bench): with
 # bench alone, the benchmark has the whole time for MODELS. RUN_ARGS: more options for run.py
 # (say --quick: one activation_memory_budget and one fxmem budget beside its floor, at the
 # model's GPU size when it has no quick one).
@@ -30,7 +33,7 @@ parts=,${4:-tests,budget,bench},
 read -r -a run_args <<<"${5:-}"
 wants() { case "$parts" in *,"$1",*) return 0 ;; esac; return 1; }
 for p in ${parts//,/ }; do
-    case "$p" in tests | budget | bench) ;; *) echo "PARTS: unknown part '$p' (tests, budget, bench)" >&2; exit 2 ;; esac
+    case "$p" in tests | budget | peak | bench) ;; *) echo "PARTS: unknown part '$p' (tests, budget, peak, bench)" >&2; exit 2 ;; esac
 done
 case "$minutes" in '' | *[!0-9]*) echo "MINUTES must be a whole number, got '$minutes'" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
@@ -64,10 +67,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 
 killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 
-# The tests and cuda_peak.py take at most a quarter of the time together.
+# The tests and cuda_peak.py take at most a third of the time together.
 tests=0
 if wants tests; then
-    (cd tests && timeout -k 10 $((minutes * 11)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
+    (cd tests && timeout -k 10 $((minutes * 16)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
         test_cuda.py) 2>&1 | tee "$out/test-cuda.log"
     tests=${PIPESTATUS[0]}
     # What is alive at the measured peak beside what the plan predicted there (the small GPT at
@@ -89,6 +92,20 @@ if wants budget; then
         echo "budget check not run: $(left) s left" | tee "$out/budget-cuda.log"
         check=3
     fi
+fi
+
+# cuda_peak.py on each model, unconstrained then at its floor, while time is left for both.
+if wants peak; then
+    for m in ${models//,/ }; do
+        for b in unconstrained floor; do
+            if [ "$(left)" -gt 60 ]; then
+                (cd /tmp && timeout -k 5 $(($(left) - 20)) python3 "$root/benchmarks/cuda_peak.py" --model "$m" \
+                    --budget "$b") 2>&1 | grep -v "^W[0-9]" | tee -a "$out/peak-$m.log"
+                status=${PIPESTATUS[0]}
+                [ "$status" -eq 0 ] || tests=$status
+            fi
+        done
+    done
 fi
 
 # The benchmark starts no configuration in its last 100 s, which leave time for its steps.

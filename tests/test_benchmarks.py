@@ -152,6 +152,21 @@ def test_cuda_peak_replays_an_allocator_trace_to_its_peak():
     assert alive_at_measured_peak(trace[:3], {})[0] == 400
 
 
+def test_cuda_peak_names_the_models_it_can_build(capsys):
+    """An unknown --model is refused with the names it takes: the small GPT of the CUDA tests
+    and the benchmark models that have a CUDA size."""
+    import argparse
+
+    from benchmarks._models import MODELS
+    from benchmarks.cuda_peak import _build
+
+    with pytest.raises(SystemExit):
+        _build("resnet-9000", argparse.ArgumentParser(prog="cuda_peak.py"))
+    err = capsys.readouterr().err
+    assert "--model 'resnet-9000'" in err and "test-gpt" in err
+    assert all(name in err for name, spec in MODELS.items() if "cuda" in spec.sizes)
+
+
 def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
     """The dynamic bytes alive at the timeline's peak, plus its static bytes, are the plan's
     predicted peak."""
