@@ -182,6 +182,9 @@ class JointGraph:
     inlinable: list[bool] = field(default_factory=list)
     # Values a fusing compiler stores when several kernels read them (see kernels.stored_on_reuse).
     stored_on_reuse: list[bool] = field(default_factory=list)
+    # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
+    # that add is, reading their inputs there.
+    folded: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -300,6 +303,7 @@ class JointGraph:
             )
         return cls(
             fusible=fusible,
+            folded=frozenset(folded),
             inlinable=inlinable,
             stored_on_reuse=stored_on_reuse,
             transient=transient,

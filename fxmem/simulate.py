@@ -228,14 +228,17 @@ def _extend_through_unstored(
     """Keep the inputs of values a fusing compiler never stores alive until those values' last
     readers: each reader's kernel computes the value again from them. So too for a reduction a
     concatenation alone reads: inductor computes it into the concatenation's buffer, when it
-    makes that (per-chunk bias gradients, summed over the batch, concatenated per head)."""
+    makes that (per-chunk bias gradients, summed over the batch, concatenated per head); and for
+    a matmul folded into its reader's addmm, which runs where that add is (a tied LM head's
+    weight gradient, added to the embedding's at the end of the backward, holds the logits'
+    gradient and the head's input until then)."""
     storage = jg.storage
     for t in range(len(order) - 1, -1, -1):
         i = order[t]
         s = storage[i]
         if s < 0 or cost[s] or (t >= boundary and i in rset and not inlined(i)):
             continue
-        if not jg.inlinable[i] and not (jg.fusible[i] and _only_concatenated(jg, i)):
+        if not jg.inlinable[i] and not (jg.fusible[i] and _only_concatenated(jg, i)) and i not in jg.folded:
             continue
         last = last_f if t < boundary else last_b
         until = last.get(s, t)

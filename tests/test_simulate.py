@@ -260,6 +260,22 @@ def test_a_matmul_sum_accumulated_over_a_loop_holds_two_sums():
     assert not any(fusible[i] for i in adds), "an addmm is a library call: it never overwrites the sum it reads"
 
 
+@pytest.mark.slow
+def test_a_matmul_folded_into_a_later_add_holds_its_inputs_until_then():
+    """A tied LM head's weight gradient, `logits_grad.T @ h`, is added to the embedding's
+    gradient, which the backward makes last: inductor folds the two into one addmm there, so
+    the logits' gradient lives through the whole backward. Planned as if the matmul ran where
+    the graph has it, the prediction was 4.5% under the measured peak (HF GPT-2 at vocab 1024
+    and four layers, 2%)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=2, n_head=2, n_embd=64)
+    model, batch = GPT(cfg), gpt_batch(cfg, 4, 128)
+    model.lm_head.weight = model.wte.weight
+    plan, measured = _measured_step(model, batch, 1.0, "inductor")
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (plan.predicted_peak_bytes, measured)
+
+
 def test_a_fused_kernel_holds_what_it_reads_until_it_ends():
     # steps 0-1 and 3-4 are runs of fusible ops (one kernel each); 2 is a library call
     assert kernel_ends([True, True, False, True, True]) == [1, 1, 2, 4, 4]
