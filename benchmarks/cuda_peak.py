@@ -12,12 +12,14 @@ printed); the blocks the step allocated that are alive then are listed by the li
 generated code, that line names the buffer and the kernel or library call). Beside them: the
 plan's predicted peak, its allocations alive there (from `plan.timeline`), and the workspaces
 fxmem measured for library kernels. A difference between the two lists is what the plan
-misses. Prints a text report; needs CUDA.
+misses: the two lists are paired by size, and what is left unpaired on either side is listed
+last. Prints a text report; needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import linecache
 import os
 import sys
@@ -28,7 +30,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-__all__ = ["alive_at_measured_peak", "alive_at_predicted_peak", "main"]
+__all__ = ["alive_at_measured_peak", "alive_at_predicted_peak", "main", "unmatched"]
 
 MiB = 2**20
 _TOP = 25
@@ -102,23 +104,53 @@ def _site(frames: list[dict]) -> str:
     return "(C++ only)"
 
 
-def _report_measured(trace: list[dict], entry: dict[int, int]) -> int:
+def unmatched(
+    measured: list[tuple[int, str]], predicted: list[tuple[int, str]], slack: int = 512
+) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """Pair each predicted allocation (bytes, label) with a measured block (requested bytes,
+    label) of its size, up to `slack` bytes larger, largest first; return the measured blocks
+    left unpaired (what the plan misses) and the predicted allocations left unpaired (what it
+    counts that is not there)."""
+    free = sorted(measured)
+    extra: list[tuple[int, str]] = []
+    for nbytes, label in sorted(predicted, reverse=True):
+        k = bisect.bisect_left(free, (nbytes, ""))
+        if k < len(free) and free[k][0] <= nbytes + slack:
+            del free[k]
+        else:
+            extra.append((nbytes, label))
+    return sorted(free, reverse=True), extra
+
+
+def _report_measured(trace: list[dict], entry: dict[int, int]) -> tuple[int, list[tuple[int, str]]]:
     peak, blocks = alive_at_measured_peak(trace, entry)
     sites: dict[str, list[int]] = defaultdict(list)
-    for b in blocks:
-        sites[_site(b.get("frames", []))].append(b["size"])
+    labelled = [(b["size"], _site(b.get("frames", []))) for b in blocks]
+    for size, site in labelled:
+        sites[site].append(size)
     print(f"measured: {peak / MiB:.3f} MiB allocated by the step at its peak, {len(blocks)} blocks")
     for site, sizes in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:_TOP]:
         print(f"  {sum(sizes) / MiB:9.3f} MiB  x{len(sizes):<3d} {site}")
-    return peak
+    return peak, labelled
 
 
-def _report_predicted(plan) -> int:
+def _report_predicted(plan) -> tuple[int, list[tuple[int, str]]]:
     peak, rows = alive_at_predicted_peak(plan.timeline)
     print(f"predicted: {peak / MiB:.3f} MiB of dynamic bytes at the plan's peak, {len(rows)} allocations")
     for name, category, nbytes in rows[:_TOP]:
         print(f"  {nbytes / MiB:9.3f} MiB  {category:<18s} {name}")
-    return peak
+    return peak, [(nbytes, f"{category} {name}") for name, category, nbytes in rows]
+
+
+def _report_unmatched(measured: list[tuple[int, str]], predicted: list[tuple[int, str]]) -> None:
+    missed, extra = unmatched(measured, predicted)
+    for title, rows in (
+        ("alive at the measured peak, not in the plan's", missed),
+        ("in the plan's, not measured", extra),
+    ):
+        print(f"{title}: {sum(n for n, _ in rows) / MiB:.3f} MiB in {len(rows)}")
+        for nbytes, label in rows[:_TOP]:
+            print(f"  {nbytes / MiB:9.3f} MiB  {label}")
 
 
 _TEST_GPT = "test-gpt"
@@ -211,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{(requested_peak - requested_entry) / MiB:.3f} MiB at its peak"
     )
     print(f"plan breakdown at its peak (MiB): { {k: round(v / MiB, 3) for k, v in plan.breakdown.items()} }")
-    _report_measured(snap["device_traces"][device], before)
-    _report_predicted(plan)
+    _, measured = _report_measured(snap["device_traces"][device], before)
+    _, predicted = _report_predicted(plan)
+    _report_unmatched(measured, predicted)
     print("library-kernel workspaces fxmem measured (op, argument shapes -> bytes):")
     for key, nbytes in probe._cache.items():
         print(f"  {nbytes / MiB:9.3f} MiB  {key[0]} {str(key[1])[:150]}")

@@ -152,6 +152,20 @@ def test_cuda_peak_replays_an_allocator_trace_to_its_peak():
     assert alive_at_measured_peak(trace[:3], {})[0] == 400
 
 
+def test_cuda_peak_pairs_the_measured_blocks_with_the_plans_allocations():
+    """What is left unpaired is the difference: a measured block the plan lacks, a planned
+    allocation nothing measured matches; sizes pair within the slack."""
+    from benchmarks.cuda_peak import unmatched
+
+    mib = 2**20
+    measured = [(96 * mib, "buf1"), (24 * mib, "buf2"), (24 * mib, "buf3"), (72 * mib, "buf4"), (100, "buf5")]
+    predicted = [(96 * mib, "saved h"), (24 * mib, "saved x"), (72 * mib - 256, "temp g"), (6 * mib, "saved mask")]
+    missed, extra = unmatched(measured, predicted)
+    assert missed == [(24 * mib, "buf3"), (100, "buf5")]
+    assert extra == [(6 * mib, "saved mask")]
+    assert unmatched(measured, [(72 * mib - 1024, "g")])[1] == [(72 * mib - 1024, "g")]  # beyond the slack
+
+
 def test_cuda_peak_names_the_models_it_can_build(capsys):
     """An unknown --model is refused with the names it takes: the small GPT of the CUDA tests
     and the benchmark models that have a CUDA size."""
