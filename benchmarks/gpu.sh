@@ -21,8 +21,8 @@
 # model's GPU size when it has no quick one).
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
 # networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
-# when python3 cannot import it. Exit status: 0 when all three succeeded; else the tests' (1:
-# a test failed), else the budget check's (1: a budget or gradient check failed; 3: the time
+# when python3 cannot import it. Exit status: 0 when every part run succeeded; else the tests'
+# or cuda_peak.py's (1: a test failed), else the budget check's (1: a budget or gradient check failed; 3: the time
 # limit left points unmeasured), else run.py's; 5 when one had to be killed at its time limit.
 set -uo pipefail
 out=${1:-${OUT:-benchmarks/results}}
@@ -94,7 +94,8 @@ if wants budget; then
     fi
 fi
 
-# cuda_peak.py on each model, unconstrained then at its floor, while time is left for both.
+# cuda_peak.py on each model, unconstrained then at its floor, each started while more than a
+# minute is left; a failure counts as the tests'.
 if wants peak; then
     for m in ${models//,/ }; do
         for b in unconstrained floor; do
