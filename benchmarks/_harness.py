@@ -79,6 +79,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def to_device(model: nn.Module, batch: Batch, device: torch.device | str) -> Batch:
+    """Move `model` to `device` in training mode; return `batch` there (a dict or a tuple)."""
+    model.to(device).train()
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(v.to(device) for v in batch)
+
+
 def zero_grads(model: nn.Module) -> None:
     for p in model.parameters():
         p.grad = None
@@ -421,10 +429,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     torch.manual_seed(0)
     model, batch = size.build()
     device = torch.device(opts.device)
-    model.to(device).train()
-    batch = (
-        {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else tuple(v.to(device) for v in batch)
-    )
+    batch = to_device(model, batch, device)
     runner = Runner(model, batch, opts.device, log)
     log(f"[{spec.name}] {size.label}")
 

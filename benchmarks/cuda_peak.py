@@ -159,6 +159,7 @@ _TEST_GPT = "test-gpt"
 def _build(name: str, ap: argparse.ArgumentParser) -> tuple[torch.nn.Module, Any]:
     """The model and batch on the GPU: the small GPT of tests/test_cuda.py, or a benchmark model at
     its CUDA size."""
+    from benchmarks._harness import to_device
     from benchmarks._models import MODELS
 
     if name == _TEST_GPT:
@@ -171,10 +172,7 @@ def _build(name: str, ap: argparse.ArgumentParser) -> tuple[torch.nn.Module, Any
     else:
         cuda = [n for n, spec in MODELS.items() if "cuda" in spec.sizes]
         ap.error(f"--model {name!r}: not {_TEST_GPT} or one of {', '.join(cuda)}")
-    model.cuda().train()
-    if isinstance(batch, dict):
-        return model, {k: v.cuda() for k, v in batch.items()}
-    return model, tuple(t.cuda() for t in batch)
+    return model, to_device(model, batch, "cuda")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,15 +15,15 @@
 #     bash benchmarks/gpu.sh [OUT_DIR] [MINUTES] [MODELS] [PARTS] [RUN_ARGS]
 #
 # PARTS: which of tests, budget, peak and bench to run, comma-separated (default tests, budget
-# and bench): with
-# bench alone, the benchmark has the whole time for MODELS. RUN_ARGS: more options for run.py
-# (say --quick: one activation_memory_budget and one fxmem budget beside its floor, at the
-# model's GPU size when it has no quick one).
+# and bench): with bench alone, the benchmark has the whole time for MODELS. RUN_ARGS: more
+# options for run.py (say --quick: one activation_memory_budget and one fxmem budget beside its
+# floor, at the model's GPU size when it has no quick one).
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
 # networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
 # when python3 cannot import it. Exit status: 0 when every part run succeeded; else the tests'
-# or cuda_peak.py's (1: a test failed), else the budget check's (1: a budget or gradient check failed; 3: the time
-# limit left points unmeasured), else run.py's; 5 when one had to be killed at its time limit.
+# or cuda_peak.py's (1: a test failed), else the budget check's (1: a budget or gradient check
+# failed; 3: the time limit left points unmeasured), else run.py's; 5 when one had to be killed
+# at its time limit.
 set -uo pipefail
 out=${1:-${OUT:-benchmarks/results}}
 case "$out" in /*) ;; *) out=$PWD/$out ;; esac
