@@ -29,6 +29,7 @@ from fxmem.constants import checked
 from fxmem.errors import BudgetError, check_budget_gb
 from fxmem.measure import live_storage_bytes
 from fxmem.optimizer import optimizer_bytes
+from fxmem.outputs import with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, default_passes, run_passes
@@ -279,7 +280,8 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         compiled = _compile_sliced_if_needed(gm, fired, compile_graph, opts.budget_bytes)
     else:
         compiled = compile_graph(gm, fired, 1, opts.budget_bytes)
-    return checked(compiled, gm)  # premises the passes took about module buffers
+    # Premises the passes took about module buffers; outputs they finish outside the step.
+    return checked(with_output_hooks(compiled, gm), gm)
 
 
 def _compile_sliced_if_needed(

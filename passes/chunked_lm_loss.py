@@ -14,9 +14,14 @@ its gradient with respect to `h` and `w_vocab` (softmax minus one-hot, times the
 inputs), so neither the (B*T, V) logits nor their log-softmax nor their gradient is ever
 whole in memory; the backward only scales the gradients it was handed by the loss's
 gradient. The planner sees the chunk loop as ordinary forward ops: it keeps the gradients,
-or, under memory pressure, runs the loop again in the backward, chunk by chunk. When the logits are also returned (HF models return them beside the
-loss), they are computed once, the loss is formed chunk by chunk from them, and the backward
-works chunk by chunk too, adding whatever gradient the caller sends into the logits.
+or, under memory pressure, runs the loop again in the backward, chunk by chunk. When the logits
+are also returned (HF models return them beside the loss), they are computed once, the loss is
+formed chunk by chunk from them, and the backward works chunk by chunk too. Logits the graph
+only returns leave the compiled step without a gradient, `h` (and `w`, `b`) beside them, and
+an output hook (`fxmem.outputs`) gives them their gradient again outside the step: a backward
+of the loss alone then runs nothing for them, where a compiled step's backward would receive a
+tensor of zeros as large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the
+graph reads again take whatever gradient the caller sends inside the step.
 
 Exact: the same log-sum-exp and picked logit per row, summed in chunks, to float rounding;
 `ignore_index` rows count neither in the sum nor in the mean's denominator. Fires when the
@@ -27,11 +32,13 @@ larger than the activations around them). Runs last: it reads the head the other
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.nn.functional as F
 
 from fxmem.kernels import rows as copy_rows
+from fxmem.outputs import return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
 __all__ = ["chunked_cross_entropy", "chunked_lm_loss"]
@@ -58,8 +65,8 @@ def pattern_2(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_sm
     return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
 
 
-def replacement(h, w, b, y, ignore_index, reduction, chunk_rows, return_logits):
-    out = call_leaf(chunked_cross_entropy, h, w, b, y, ignore_index, reduction, chunk_rows, return_logits)
+def replacement(h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad):
+    out = call_leaf(chunked_cross_entropy, h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad)
     return (out[0], out[1]) if return_logits else (out,)
 
 
@@ -81,7 +88,12 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("the head's input rows do not match the targets")
     chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), math.ceil(2 * n / hidden), n)
     m.bindings["chunk_rows"] = math.ceil(n / chunks)
-    m.bindings["return_logits"] = "linear" in m.escaped
+    returned = m.escaped.get("linear", [])
+    m.bindings["return_logits"] = bool(returned)
+    # Logits only returned to the caller get their gradient outside the compiled step (see
+    # `_give_logits_their_gradient`); logits the graph reads again keep it inside.
+    outside = [u for n in returned for u in n.users if u not in set(m.nodes)]
+    m.bindings["logits_grad"] = not returned or any(u.op != "output" for u in outside)
     return None
 
 
@@ -179,8 +191,11 @@ class _LossAndLogits(torch.autograd.Function):
     """Loss and the full logits as outputs; the backward works chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, logits_grad):
         logits = F.linear(h, w, b)
+        if not logits_grad:  # `_LogitsGradient` gives them their gradient, outside the step
+            ctx.mark_non_differentiable(logits)
+            ctx.set_materialize_grads(False)
         flat = logits.view(-1, w.shape[0])
         total = flat.new_zeros((), dtype=torch.float32)
         lses = []
@@ -196,6 +211,8 @@ class _LossAndLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_logits):
         h, w, logits, lse, y, valid, denominator = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 8
         hidden, rows = w.shape[1], ctx.chunk_rows
         h2, flat = h.reshape(-1, hidden), logits.view(-1, w.shape[0])
         g_flat = None if grad_logits is None else grad_logits.reshape(flat.shape)
@@ -211,18 +228,77 @@ class _LossAndLogits(torch.autograd.Function):
             dw = _accumulate(dw, grad, h2[start:end], w.dtype)
             if ctx.has_bias:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
-        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None
+        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None
 
 
-def chunked_cross_entropy(h, w, b, y, ignore_index=-100, reduction="mean", chunk_rows=1024, return_logits=False):
-    """`F.cross_entropy(F.linear(h, w, b).float().view(-1, V), y, ...)` by chunks of `chunk_rows` rows."""
+class _LogitsGradient(torch.autograd.Function):
+    """The logits `F.linear(h, w, b)` the compiled step returned without a gradient, given it
+    again: their gradient `g` goes to `h` (`g @ w`), `w` (`g.T @ h`) and `b`. When the caller's
+    backward sends none — the loss alone is trained on — nothing runs, and the step's backward
+    receives zeros the size of `h` for it instead of zeros the size of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, h, w, b):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, w)
+        ctx.bias_dtype = None if b is None else b.dtype
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        h, w = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.reshape(-1, w.shape[0])
+            dh = (g @ w.to(g.dtype)).view(h.shape).to(h.dtype) if ctx.needs_input_grad[1] else None
+            dw = (g.t() @ h.reshape(-1, w.shape[1]).to(g.dtype)).to(w.dtype) if ctx.needs_input_grad[2] else None
+            db = g.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
+        return None, dh, dw, db
+
+
+def _logits_hook(logits_at: list[int]):
+    """The output hook for logits returned at `logits_at`, formed from the outputs `h`, `w`
+    (and `b`) the graph returns beside them."""
+
+    def hook(outputs: list, positions: list[int]) -> None:
+        h, w, b = [outputs[p] for p in positions] + [None] * (3 - len(positions))
+        logits = outputs[logits_at[0]]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b)):
+            logits = _LogitsGradient.apply(logits, h, w, b)
+        for p in logits_at:
+            outputs[p] = logits
+
+    return hook
+
+
+def _give_logits_their_gradient(gm) -> None:
+    """For each chunked loss whose logits are only returned: the graph returns them without a
+    gradient, and `h`, `w`, `b` beside them, which `_LogitsGradient` forms it from."""
+    outputs = gm.graph.output_node().args[0]
+    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for node in list(gm.graph.nodes):
+        if node.target is not chunked_cross_entropy or not node.args[7] or node.args[8]:
+            continue
+        logits = {u for u in node.users if u.target is operator.getitem and u.args[1] == 1}
+        logits_at = [i for i, v in enumerate(outputs) if v in logits]
+        h, w, b = node.args[:3]
+        return_outside(gm, [h, w] if b is None else [h, w, b], _logits_hook(logits_at))
+
+
+def chunked_cross_entropy(
+    h, w, b, y, ignore_index=-100, reduction="mean", chunk_rows=1024, return_logits=False, logits_grad=True
+):
+    """`F.cross_entropy(F.linear(h, w, b).float().view(-1, V), y, ...)` by chunks of `chunk_rows`
+    rows. With `return_logits`, `(loss, logits)`; `logits_grad=False` returns the logits
+    without a gradient (the step's output hook gives them theirs)."""
     y = y.reshape(-1)
     valid = y != ignore_index
     safe_y = torch.where(valid, y, 0)
     valid_f = valid.float()
     denominator = valid_f.sum() if reduction == "mean" else torch.ones((), device=y.device)
     if return_logits:
-        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, logits_grad)
     if not torch.is_grad_enabled():  # no backward to prepare for
         h2 = h.reshape(-1, w.shape[1])
         total = sum(
@@ -240,4 +316,14 @@ _RULES = [
     for i, pat in enumerate([pattern_1, pattern_2], start=1)
 ]
 
-chunked_lm_loss = RulePass("chunked_lm_loss", _RULES)
+_rule_pass = RulePass("chunked_lm_loss", _RULES)
+
+
+def chunked_lm_loss(gm, example_inputs=()):
+    gm, fired = _rule_pass(gm, example_inputs)
+    if fired:
+        _give_logits_their_gradient(gm)
+    return gm, fired
+
+
+chunked_lm_loss.refusals = _rule_pass.refusals

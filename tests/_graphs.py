@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem import _torch_private as tp
+from fxmem.outputs import with_output_hooks
 
 __all__ = ["calls", "capture", "compare_with_eager", "compile_with_pass", "grad_err", "run_graph"]
 
@@ -44,7 +45,7 @@ def compile_with_pass(pass_fn: Callable, fn: Callable[..., Any]) -> tuple[Callab
         gm, fired = pass_fn(gm, ex)
         gm.graph.lint()
         seen.append((gm, fired))
-        return gm.forward
+        return with_output_hooks(gm.forward, gm)  # as the backend hands the step to Dynamo
 
     compiled = torch.compile(fn, backend=be, fullgraph=True, dynamic=False)
 

@@ -103,20 +103,73 @@ def test_head_forms_chunked_and_exact(kwargs, ignore):
     assert fired == 1
 
 
-@pytest.mark.parametrize("contiguous", [False, True], ids=["linear", "contiguous"])
-def test_logits_returned_are_eagers_and_carry_their_gradient(contiguous):
+@pytest.mark.parametrize("kwargs", [{}, {"contiguous": True}, {"bias": True}], ids=["linear", "contiguous", "bias"])
+def test_logits_returned_are_eagers_and_carry_their_gradient(kwargs):
+    """Logits only returned leave the step without a gradient and get it outside (the graph
+    returns the head's input beside them); a loss on the logits alone, or on both, trains as
+    eager does."""
     torch.manual_seed(0)
-    model = Head(return_logits=True, contiguous=contiguous)
+    model = Head(return_logits=True, **kwargs)
     x, y = _batch(ignore=-100)
-    gm, fired = _assert_exact(model, x, y, loss=lambda out: out[0] + out[1].square().mean())
+    compiled, seen = compile_with_pass(chunked_lm_loss, model)
+    for loss in (lambda out: out[0] + out[1].square().mean(), lambda out: out[1].square().mean()):
+        loss_err, worst = compare_with_eager(
+            lambda: model(x, y), lambda: compiled(x, y), list(model.parameters()), loss
+        )
+        assert loss_err < TOL and worst < TOL, (loss_err, worst)
+    ((gm, fired),) = seen
     assert fired == 1
     (node,) = _chunked_nodes(gm)
-    assert node.args[7] is True, "the variant that returns the logits"
-    compiled, _ = compile_with_pass(chunked_lm_loss, model)
+    assert node.args[7] is True and node.args[8] is False, "returns the logits, their gradient outside"
     loss, logits = compiled(x, y)
     ref_loss, ref_logits = model(x, y)
+    assert logits.requires_grad
     assert torch.allclose(logits, ref_logits, rtol=TOL, atol=1e-6)
     assert torch.allclose(loss, ref_loss, rtol=TOL)
+
+
+def test_logits_the_graph_reads_again_keep_their_gradient_inside():
+    class Softmaxed(Head):
+        def forward(self, x, y):
+            logits = self.head(torch.tanh(self.body(x)))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)), logits.softmax(-1)
+
+    torch.manual_seed(0)
+    model = Softmaxed(bias=True)
+    x, y = _batch(ignore=-100)
+    gm, fired = _assert_exact(model, x, y, loss=lambda out: out[0] + out[1][..., 0].sum())
+    assert fired == 1
+    (node,) = _chunked_nodes(gm)
+    assert node.args[7] is True and node.args[8] is True
+
+
+def test_returned_logits_cost_no_gradient_when_only_the_loss_trains():
+    """A compiled step's backward receives zeros for every output that gets no gradient; for
+    returned logits that would be a second copy of them. Measured: while the caller holds the
+    logits and backpropagates the loss alone, the step holds little beyond one copy."""
+    torch.manual_seed(0)
+    vocab, rows = 4096, 1024
+    model = Head(vocab=vocab, return_logits=True)
+    x, y = _batch(vocab=vocab, T=rows // 2)
+    logits_bytes = rows * vocab * 4  # 16 MiB; parameters and batch: 0.3 MiB
+
+    def train(m):
+        loss, logits = m(x, y)
+        loss.backward()
+        return loss, logits
+
+    ref_loss = train(model)[0]
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, compiler="eager", passes=("chunked_lm_loss",))
+    train(m)  # compiles and plans
+    zero_grads(model)
+    measured = fxmem.measure(train, m)
+    assert m.plan.rewrites == {"chunked_lm_loss": 1}
+    assert measured.peak_bytes < 1.25 * logits_bytes, (measured.peak_bytes, logits_bytes)
+    assert measured.peak_bytes <= m.plan.predicted_peak_bytes * 1.02
+    assert torch.allclose(measured.result[0], ref_loss, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < TOL
 
 
 def test_no_grad_forward_is_eagers_loss():
@@ -178,15 +231,23 @@ def test_at_its_floor_the_logits_are_never_whole():
     assert grad_err(grads_of(model), ref_grads) < TOL
 
 
-def test_head_with_inductor():
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "loss-and-logits"])
+def test_head_with_inductor(return_logits):
     torch.manual_seed(0)
-    model = Head(vocab=80, bias=True)  # 5 chunks: as few as still show the aliasing
+    model = Head(vocab=80, bias=True, return_logits=return_logits)  # 5 chunks: as few as still show the aliasing
     x, y = _batch(vocab=80, ignore=-100)
-    ref = step(model, x, y)
+
+    def train(m):  # with the logits: a loss on them too, their gradient formed outside the step
+        out = m(x, y)
+        loss = out[0] + out[1].square().mean() if return_logits else out
+        loss.backward()
+        return loss.detach()
+
+    ref = train(model)
     ref_grads = grads_of(model)
     zero_grads(model)
     m = fxmem.optimize(model, 4.0, passes=("chunked_lm_loss",))  # inductor
-    got = step(m, x, y)
+    got = train(m)
     assert m.plan.rewrites == {"chunked_lm_loss": 1}
     assert torch.allclose(got, ref, rtol=TOL)
     assert grad_err(grads_of(model), ref_grads) < 1e-4  # inductor's kernels reorder sums
