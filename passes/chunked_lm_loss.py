@@ -21,7 +21,10 @@ only returns leave the compiled step without a gradient, `h` (and `w`, `b`) besi
 an output hook (`fxmem.outputs`) gives them their gradient again outside the step: a backward
 of the loss alone then runs nothing for them, where a compiled step's backward would receive a
 tensor of zeros as large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the
-graph reads again take whatever gradient the caller sends inside the step.
+graph reads again, or makes in a no_grad region, take whatever gradient the caller sends inside
+the step. The logits so returned are a view made by that function: edited in place while grad
+is on, they raise autograd's error for such views (clone them first), where the step's backward
+would otherwise read the edited values.
 
 Exact: the same log-sum-exp and picked logit per row, summed in chunks, to float rounding;
 `ignore_index` rows count neither in the sum nor in the mean's denominator. Fires when the
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fxmem.kernels import rows as copy_rows
+from fxmem.ops import example_value
 from fxmem.outputs import return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
@@ -90,10 +94,12 @@ def guard(m: Match) -> Refusal | None:
     m.bindings["chunk_rows"] = math.ceil(n / chunks)
     returned = m.escaped.get("linear", [])
     m.bindings["return_logits"] = bool(returned)
-    # Logits only returned to the caller get their gradient outside the compiled step (see
+    # Logits only returned to the caller, and with a gradient where the graph makes them (not
+    # in a no_grad region), get it outside the compiled step (see
     # `_give_logits_their_gradient`); logits the graph reads again keep it inside.
     outside = [u for n in returned for u in n.users if u not in set(m.nodes)]
-    m.bindings["logits_grad"] = not returned or any(u.op != "output" for u in outside)
+    only_returned = bool(returned) and all(u.op == "output" for u in outside)
+    m.bindings["logits_grad"] = not (only_returned and getattr(example_value(returned[0]), "requires_grad", False))
     return None
 
 
@@ -264,8 +270,11 @@ def _logits_hook(logits_at: list[int]):
     def hook(outputs: list, positions: list[int]) -> None:
         h, w, b = [outputs[p] for p in positions] + [None] * (3 - len(positions))
         logits = outputs[logits_at[0]]
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b)):
-            logits = _LogitsGradient.apply(logits, h, w, b)
+        # The graph made them with a gradient (whatever the caller's grad mode: a forward may
+        # enable it itself); the step's h, w, b carry theirs.
+        if any(t is not None and t.requires_grad for t in (h, w, b)):
+            with torch.enable_grad():
+                logits = _LogitsGradient.apply(logits, h, w, b)
         for p in logits_at:
             outputs[p] = logits
 

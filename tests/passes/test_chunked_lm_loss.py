@@ -10,6 +10,8 @@ loss.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -126,6 +128,54 @@ def test_logits_returned_are_eagers_and_carry_their_gradient(kwargs):
     assert logits.requires_grad
     assert torch.allclose(logits, ref_logits, rtol=TOL, atol=1e-6)
     assert torch.allclose(loss, ref_loss, rtol=TOL)
+
+
+class _NoGradHead(Head):
+    """The head and loss in a no_grad region (an evaluation metric); the logits returned."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(x))
+        with torch.no_grad():
+            logits = self.head(h)
+            metric = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        return h.square().mean(), metric, logits
+
+
+class _GradHead(Head):
+    """A forward that enables grad itself, called under no_grad."""
+
+    def forward(self, x, y):
+        with torch.enable_grad():
+            logits = self.head(torch.tanh(self.body(x)))
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("model_cls", [_NoGradHead, _GradHead], ids=["no-grad-region", "grad-enabled-inside"])
+def test_returned_logits_have_a_gradient_exactly_where_eagers_do(model_cls):
+    torch.manual_seed(0)
+    model = model_cls()
+    x, y = _batch(ignore=-100)
+    compiled = torch.compile(model, backend="fxmem", options={"compiler": "eager", "passes": ["chunked_lm_loss"]})
+    context = torch.no_grad if model_cls is _GradHead else contextlib.nullcontext
+    with context():
+        got, ref = compiled(x, y), model(x, y)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in ref]
+    assert fxmem.recent_plans()[-1].rewrites == {"chunked_lm_loss": 1}
+
+    def loss(out):  # what the caller can train on: the logits, and the loss where it has a gradient
+        trained = [t for t in out if t.requires_grad]
+        return sum(t.square().mean() for t in trained)
+
+    ref_grads, got_grads = [], []
+    for out, grads in ((ref, ref_grads), (got, got_grads)):
+        zero_grads(model)
+        loss(out).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in ref_grads[0].items():
+        other = got_grads[0][name]
+        assert (g is None) == (other is None), name
+        if g is not None:
+            assert torch.allclose(other, g, rtol=TOL, atol=1e-7), name
 
 
 def test_logits_the_graph_reads_again_keep_their_gradient_inside():
