@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["OutputHook", "return_outside", "with_output_hooks"]
+__all__ = ["OutputHook", "output_values", "return_outside", "with_output_hooks"]
 
 # hook(outputs): edits the list of the compiled step's outputs in place; `positions` are where
 # the nodes handed to `return_outside` are in it.
@@ -32,19 +32,19 @@ _HOOKS_KEY = "fxmem_output_hooks"
 _USER_OUTPUTS_KEY = "fxmem_user_outputs"
 
 
-def _outputs(gm: fx.GraphModule) -> tuple[fx.Node, list[Any]]:
-    out = gm.graph.output_node()
-    values = out.args[0]
-    return out, list(values) if isinstance(values, (tuple, list)) else [values]
+def output_values(gm: fx.GraphModule) -> list[Any]:
+    """The values `gm` returns, as a list."""
+    values = gm.graph.output_node().args[0]
+    return list(values) if isinstance(values, (tuple, list)) else [values]
 
 
 def return_outside(gm: fx.GraphModule, nodes: Sequence[fx.Node], hook: OutputHook) -> None:
     """Append `nodes` to `gm`'s outputs; `hook` runs on every call's outputs with their
     positions. The caller still sees only the outputs the graph had before."""
-    out, values = _outputs(gm)
+    values = output_values(gm)
     gm.meta.setdefault(_USER_OUTPUTS_KEY, len(values))
     positions = list(range(len(values), len(values) + len(nodes)))
-    out.args = (tuple(values) + tuple(nodes),)
+    gm.graph.output_node().args = (tuple(values) + tuple(nodes),)
     gm.meta.setdefault(_HOOKS_KEY, []).append((hook, positions))
     gm.recompile()
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from fxmem.kernels import rows as copy_rows
 from fxmem.ops import example_value
-from fxmem.outputs import return_outside
+from fxmem.outputs import output_values, return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
 __all__ = ["chunked_cross_entropy", "chunked_lm_loss"]
@@ -97,7 +97,8 @@ def guard(m: Match) -> Refusal | None:
     # Logits only returned to the caller, and with a gradient where the graph makes them (not
     # in a no_grad region), get it outside the compiled step (see
     # `_give_logits_their_gradient`); logits the graph reads again keep it inside.
-    outside = [u for n in returned for u in n.users if u not in set(m.nodes)]
+    matched = set(m.nodes)
+    outside = [u for n in returned for u in n.users if u not in matched]
     only_returned = bool(returned) and all(u.op == "output" for u in outside)
     m.bindings["logits_grad"] = not (only_returned and getattr(example_value(returned[0]), "requires_grad", False))
     return None
@@ -284,8 +285,7 @@ def _logits_hook(logits_at: list[int]):
 def _give_logits_their_gradient(gm) -> None:
     """For each chunked loss whose logits are only returned: the graph returns them without a
     gradient, and `h`, `w`, `b` beside them, which `_LogitsGradient` forms it from."""
-    outputs = gm.graph.output_node().args[0]
-    outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    outputs = output_values(gm)
     for node in list(gm.graph.nodes):
         if node.target is not chunked_cross_entropy or not node.args[7] or node.args[8]:
             continue
