@@ -217,6 +217,27 @@ def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[s
     return out
 
 
+def _fix_shapes(example_inputs: Sequence[Any]) -> None:
+    """Specialise the graph to its example inputs' sizes.
+
+    A plan holds its budget for the sizes it was made for, so fxmem plans one graph per input
+    shape. Dynamo hands over symbolic sizes when the shapes change between calls
+    (`dynamic=None`, from the second shape on) or with `dynamic=True`; reading each as an int
+    adds a guard on its value, so a call with other sizes compiles, and plans, again (within
+    Dynamo's recompile limit). Sizes the user marked dynamic (`torch._dynamo.mark_dynamic`)
+    raise Dynamo's constraint error here."""
+    symbolic = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            symbolic += [d for d in (*x.shape, *x.stride(), x.storage_offset()) if isinstance(d, torch.SymInt)]
+        elif isinstance(x, torch.SymInt):
+            symbolic.append(x)
+    if symbolic:
+        log.info("fxmem plans for fixed sizes: specialising %d symbolic sizes to %s", len(symbolic), symbolic)
+        for d in symbolic:
+            int(d)
+
+
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
     """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin, dump
     (a folder to save every plan into; default $FXMEM_DUMP), plan (a saved plan.json to apply)."""
@@ -225,6 +246,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     opts = options if isinstance(options, Options) else Options.from_dict(options)
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
+    _fix_shapes(example_inputs)
     gm, fired = run_passes(gm, example_inputs, opts.pass_names())
     state_bytes, step_bytes = optimizer_bytes(opts.optimizer)
 

@@ -87,6 +87,8 @@ def guard(m: Match) -> Refusal | None:
     vocab, hidden = w.shape
     if vocab < _MIN_VOCAB_RATIO * hidden:
         return Refusal(f"vocabulary {vocab} is under {_MIN_VOCAB_RATIO}x the hidden size {hidden}")
+    if not all(isinstance(d, int) for t in (h, w, y) for d in t.shape):
+        return Refusal("symbolic shapes: the chunks need a row count")
     n = y.shape[0]
     if h.numel() != n * hidden:
         return Refusal("the head's input rows do not match the targets")

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import step, zero_grads
+from conftest import grads_of, max_rel_err, step, zero_grads
 
 import fxmem
 
@@ -149,6 +149,29 @@ def test_entry_point_backend_holds_budget_in_fresh_interpreter(tmp_path):
     assert abs(res["predicted_peak_bytes"] - res["peak_bytes"]) <= 0.15 * res["peak_bytes"]
     assert res["max_rel_err"] < 1e-4
     assert res["loss_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_each_input_shape_is_planned_and_holds_the_budget(dynamic):
+    # Dynamo makes sizes symbolic from the second shape on (dynamic=None) or from the first
+    # (True); fxmem plans each shape as it comes, the budget holding at each.
+    model, (idx, targets) = _build()
+    eager, _ = _build()
+    budget = 0.45 * _eager_peak_bytes()
+    plans = []
+    options = {"budget_gb": budget / 2**30, "compiler": "eager", "on_plan": plans.append}
+    compiled = torch.compile(model, backend="fxmem", dynamic=dynamic, options=options)
+    for n, t in enumerate((256, 128, 192, 256)):
+        batch = idx[:, :t].contiguous(), targets[:, :t].contiguous()
+        zero_grads(eager)
+        step(eager, *batch)
+        zero_grads(model)
+        step(compiled, *batch)  # plans the shape when it is new
+        assert max_rel_err(grads_of(model), grads_of(eager)) < 1e-4, t
+        zero_grads(model)
+        assert fxmem.measure(step, compiled, *batch).peak_bytes <= budget, t
+        assert len(plans) == min(n + 1, 3), t  # 256 again reuses its plan
+        assert plans[-1].budget_bytes == int(budget)
 
 
 def _compile_and_call(options):

@@ -404,6 +404,27 @@ def test_refused_and_untouched(kwargs, reason):
     assert fired == 0
 
 
+def test_symbolic_sizes_are_refused():
+    # The backend fixes symbolic sizes before its passes run; a graph handed over with them
+    # (dynamic=True) is left alone rather than chunked by a row count it cannot know.
+    graphs = []
+
+    def be(gm, ex):
+        graphs.append((gm, ex))
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = Head()
+    x, y = _batch()
+    torch.compile(model, backend=be, fullgraph=True, dynamic=True)(x, y)
+    ((gm, ex),) = graphs
+    chunked_lm_loss.refusals.clear()
+    gm, fired = run_passes(gm, ex, ["chunked_lm_loss"])
+    assert fired == {"chunked_lm_loss": 0}
+    assert any("symbolic shapes" in r for _, _, r in chunked_lm_loss.refusals), chunked_lm_loss.refusals
+    assert calls(gm, F.cross_entropy) and not _chunked_nodes(gm)
+
+
 def test_logits_used_before_the_loss_are_refused():
     class EarlyUse(Head):
         def forward(self, x, y):
