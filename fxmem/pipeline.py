@@ -14,6 +14,7 @@ import torch.fx as fx
 from fxmem.passes.bf16_regions import bf16_regions
 from fxmem.passes.chunked_attention import chunked_attention
 from fxmem.passes.chunked_lm_loss import chunked_lm_loss
+from fxmem.passes.detach_caches import detach_caches
 from fxmem.passes.fuse_projections import fuse_projections
 from fxmem.passes.index_as_slice import index_as_slice
 from fxmem.passes.swap_sdpa import swap_sdpa
@@ -34,6 +35,8 @@ PASSES: dict[str, tuple[PassFn, bool]] = {
     "chunked_attention": (chunked_attention, True),
     # Last: reads the LM head as the passes before it leave it.
     "chunked_lm_loss": (chunked_lm_loss, True),
+    # Reads only the returned values; after chunked_lm_loss, whose returned logits it may hang from.
+    "detach_caches": (detach_caches, True),
     # Last: wraps what the other passes leave in one autocast region (opt-in: precision="bf16").
     "bf16_regions": (bf16_regions, False),
 }

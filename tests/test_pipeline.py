@@ -33,6 +33,7 @@ def test_budget_held_with_all_passes_small_gpt(fraction):
         "fuse_projections": 0,
         "chunked_attention": 0,
         "chunked_lm_loss": 1,
+        "detach_caches": 0,
     }
     assert got.peak_bytes <= budget, (
         f"measured {got.peak_bytes / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB "

@@ -277,8 +277,8 @@ def test_insert_call_and_call_leaf():
 
 
 def test_pipeline_order_and_defaults():
-    exact = ["index_as_slice", "swap_sdpa", "fuse_projections", "chunked_attention", "chunked_lm_loss"]
-    assert list(PASSES)[:5] == exact
+    exact = ["index_as_slice", "swap_sdpa", "fuse_projections", "chunked_attention", "chunked_lm_loss", "detach_caches"]
+    assert list(PASSES)[:6] == exact
     assert default_passes() == exact
     assert "bf16_regions" in PASSES and "bf16_regions" not in default_passes()
 

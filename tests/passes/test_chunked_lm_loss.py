@@ -374,6 +374,7 @@ def test_hf_llama_end_to_end_all_passes():
         "fuse_projections": 2,
         "chunked_attention": 0,
         "chunked_lm_loss": 1,
+        "detach_caches": 2,  # its one layer's keys and values
     }
     assert torch.allclose(out.logits, ref.logits, rtol=TOL, atol=1e-6)
     assert torch.allclose(out.loss, ref.loss, rtol=TOL)
