@@ -23,13 +23,15 @@ Exact for every backward that does not reach the caches; one that does (a loss o
 returned keys, or a next step that attends to this step's cache without detaching it) raises,
 naming the way out, where eager would have trained through them. Fires on returned values
 made as HF's cache makes them on its first update — a `torch.cat` whose other operands are
-empty — and only when another returned value (the loss, the logits) carries a gradient, which
-the returned caches then hang from, so that they require grad exactly when eager's would.
+empty, or a slice of one (a sliding-window layer's) — and only when another returned value
+(the loss, the logits) carries a gradient, which the returned caches then hang from, so that
+they require grad exactly when eager's would.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,8 +48,13 @@ log = logging.getLogger(__name__)
 
 
 def _is_cache(node: Any) -> bool:
-    """`node` is a first cache update: `torch.cat` onto empty tensors, with a gradient."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not torch.cat:
+    """`node` is a first cache update — `torch.cat` onto empty tensors, with a gradient — or a
+    slice of one (a sliding-window layer keeps the last tokens of it)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is operator.getitem and _is_slicing(node.args[1]):
+        return _is_cache(node.args[0]) and _carries_gradient(node)
+    if node.target is not torch.cat:
         return False
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     if not isinstance(parts, (list, tuple)) or len(parts) < 2:
@@ -56,6 +63,11 @@ def _is_cache(node: Any) -> bool:
     value = example_value(node)
     empty = all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in earlier)
     return empty and isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _is_slicing(index: Any) -> bool:
+    entries = index if isinstance(index, tuple) else (index,)
+    return all(e is Ellipsis or isinstance(e, slice) for e in entries)
 
 
 def _carries_gradient(node: Any) -> bool:

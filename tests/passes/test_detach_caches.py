@@ -2,7 +2,7 @@
 
 A toy layer that returns its keys and values as HF's DynamicCache makes them on its first
 update (`torch.cat` onto an empty tensor), and HF GPT-2 and Llama built from configs with
-`use_cache` at its default: the loss and every parameter's gradient equal eager's, the caches'
+`use_cache` at its default (Mistral's sliding-window cache too): the loss and every parameter's gradient equal eager's, the caches'
 values equal eager's and require grad exactly where eager's do, a backward of the loss alone
 measures the zeros' bytes below the step without the pass, and a gradient sent into a cache
 raises. Left alone: a cache update onto a non-empty past, and a graph whose only
@@ -31,16 +31,18 @@ B, T, D, HEADS = 2, 64, 32, 4
 class Layer(nn.Module):
     """Attention over projected q/k/v; returns the loss and the (keys, values) cache."""
 
-    def __init__(self, past: bool = False, loss: bool = True):
+    def __init__(self, past: bool = False, loss: bool = True, window: int | None = None):
         super().__init__()
         self.qkv = nn.Linear(D, 3 * D)
-        self.past, self.loss = past, loss
+        self.past, self.loss, self.window = past, loss, window
 
     def forward(self, x):
         q, k, v = (t.view(B, T, HEADS, D // HEADS).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))
         past = torch.ones(B, HEADS, 1, D // HEADS) if self.past else torch.tensor([])
         keys, values = torch.cat([past, k], dim=-2), torch.cat([past, v], dim=-2)
         y = F.scaled_dot_product_attention(q, keys, values)
+        if self.window:  # a sliding-window layer keeps the last tokens
+            keys, values = keys[:, :, -self.window :, :], values[:, :, -self.window :, :]
         return (y.square().mean(), keys, values) if self.loss else (keys, values)
 
 
@@ -48,9 +50,10 @@ def _x():
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(0), requires_grad=False)
 
 
-def test_caches_detached_and_the_loss_exact():
+@pytest.mark.parametrize("window", [None, 15], ids=["whole", "sliding-window"])
+def test_caches_detached_and_the_loss_exact(window):
     torch.manual_seed(0)
-    model, x = Layer(), _x()
+    model, x = Layer(window=window), _x()
     compiled, seen = compile_with_pass(detach_caches, model)
     loss_err, worst = compare_with_eager(
         lambda: model(x), lambda: compiled(x), list(model.parameters()), lambda o: o[0]
@@ -95,12 +98,34 @@ def test_left_alone(kwargs):
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_caches_cost_no_zeros(name):
-    from test_hf_models import _build
+def _hf(name: str, n_layer: int):
+    from test_hf_models import BATCH, VOCAB, _build
 
+    if name != "mistral":
+        return _build(name, n_layer=n_layer)
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=BATCH[1],
+        sliding_window=64,  # under the 256 tokens: the cache keeps a slice
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM._from_config(cfg, attn_implementation="eager").train()
+    ids = torch.randint(0, VOCAB, BATCH)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral"])
+def test_hf_caches_cost_no_zeros(name):
     n_layer = 2
-    model, kwargs = _build(name, n_layer=n_layer)
+    model, kwargs = _hf(name, n_layer)
     assert model.config.use_cache
     eager = copy.deepcopy(model)
     ref_out = eager(**kwargs)
@@ -124,5 +149,7 @@ def test_hf_caches_cost_no_zeros(name):
         zero_grads(model)
         peaks[with_pass] = fxmem.measure(step, m, **kwargs).peak_bytes
     keys = ref_out.past_key_values.layers[0].keys
+    if name == "mistral":
+        assert keys.shape[-2] == 63  # the window's last tokens, of 256
     zeros = 2 * n_layer * keys.numel() * keys.element_size()
     assert peaks[False] - peaks[True] >= 0.9 * zeros, (peaks, zeros)
