@@ -16,8 +16,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-__all__ = ["COMMUTATIVE", "canonical_args", "example_value", "is_identity", "op_key", "writes_in_place"]
+__all__ = [
+    "COMMUTATIVE",
+    "canonical_args",
+    "example_value",
+    "is_identity",
+    "op_key",
+    "static_int",
+    "static_shape",
+    "writes_in_place",
+]
 
 
 def example_value(node: Any) -> Any:
@@ -25,6 +35,22 @@ def example_value(node: Any) -> Any:
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
+
+
+def static_int(size: Any) -> int | None:
+    """A size as an int when its value is fixed: an int, or a symbolic size the backend has
+    specialised to its example's value (see `backend._fix_shapes`); None when it varies."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt) and is_concrete_int(size):
+        return int(size)
+    return None
+
+
+def static_shape(t: torch.Tensor) -> tuple[int, ...] | None:
+    """`t`'s shape as ints (see `static_int`), or None when a size varies."""
+    sizes = tuple(static_int(d) for d in t.shape)
+    return None if None in sizes else sizes
 
 
 _OP_ALIASES: dict[Any, str] = {

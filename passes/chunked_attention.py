@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fxmem.ops import static_shape
 from fxmem.rules import Match, Refusal, Rule, RulePass
 
 __all__ = ["chunked_attention"]
@@ -86,8 +87,10 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
     if q.device.type != "cpu":
         return Refusal(f"on {q.device.type} SDPA's fused kernels keep no (T, S) weights")
-    if not all(isinstance(n, int) for t in (q, k, v) for n in t.shape):
+    shapes = [static_shape(t) for t in (q, k, v)]
+    if None in shapes:
         return Refusal("symbolic shapes: the groups need sizes")
+    (batch, heads, _, width), (k_batch, kv_heads, length, _), _ = shapes
     mask = m.val("mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim > 4):
         return Refusal("the mask is not a tensor of at most 4 dimensions")
@@ -96,12 +99,11 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("dropout, causality, scale or GQA is not a constant")
     if not _runs_math(q, k, v, mask, **scalars):
         return Refusal("SDPA runs a fused kernel here: it keeps no (T, S) weights")
-    batch, heads, kv_heads, length, width = q.shape[0], q.shape[1], k.shape[1], k.shape[-2], q.shape[-1]
     wanted = math.ceil(length / width)
     if wanted < 2:
         return Refusal(f"{length} keys of width {width}: the weights are no larger than q")
     by_heads = _divisor_at_least(kv_heads, wanted)
-    by_batch = _divisor_at_least(batch, math.ceil(wanted / by_heads)) if k.shape[0] == batch else 1
+    by_batch = _divisor_at_least(batch, math.ceil(wanted / by_heads)) if k_batch == batch else 1
     if by_heads * by_batch < 2:
         return Refusal("one head of one sequence: nothing to split")
     m.bindings["groups"] = (by_batch, by_heads)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fxmem.kernels import rows as copy_rows
-from fxmem.ops import example_value
+from fxmem.ops import example_value, static_shape
 from fxmem.outputs import output_values, return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
@@ -84,13 +84,13 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("the head's weight is not (V, H) with V the flattened width")
     if not isinstance(y, torch.Tensor) or y.dtype not in (torch.int64, torch.int32) or y.ndim != 1:
         return Refusal("targets are not class indices flattened to one dimension")
-    vocab, hidden = w.shape
+    shapes = [static_shape(t) for t in (h, w, y)]
+    if None in shapes:
+        return Refusal("symbolic shapes: the chunks need a row count")
+    h_shape, (vocab, hidden), (n,) = shapes
     if vocab < _MIN_VOCAB_RATIO * hidden:
         return Refusal(f"vocabulary {vocab} is under {_MIN_VOCAB_RATIO}x the hidden size {hidden}")
-    if not all(isinstance(d, int) for t in (h, w, y) for d in t.shape):
-        return Refusal("symbolic shapes: the chunks need a row count")
-    n = y.shape[0]
-    if h.numel() != n * hidden:
+    if math.prod(h_shape) != n * hidden:
         return Refusal("the head's input rows do not match the targets")
     chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), math.ceil(2 * n / hidden), n)
     m.bindings["chunk_rows"] = math.ceil(n / chunks)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxmem.ops import example_value
+from fxmem.ops import example_value, static_int
 from fxmem.rules import Refusal, propagate_meta
 
 __all__ = ["as_slice", "index_as_slice"]
@@ -85,9 +85,9 @@ def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None
     dim = at
     if Ellipsis in entries and entries.index(Ellipsis) < at:
         dim = at - 1 + len(shape) - explicit  # the Ellipsis stands for the dimensions not named
-    if type(shape[dim]) is not int:
+    size, picks = static_int(shape[dim]), entries[at]
+    if size is None:
         return None, "the indexed dimension's size is not a constant"
-    size, picks = shape[dim], entries[at]
     if not picks or any(type(p) is not int for p in picks):
         return None, "the list holds other than integers"
     if any(not -size <= p < size for p in picks):

@@ -44,7 +44,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem import _torch_private, constants
-from fxmem.ops import example_value, op_key
+from fxmem.ops import example_value, op_key, static_int
 from fxmem.rules import Match, Refusal, Rule, RulePass
 
 __all__ = ["swap_sdpa"]
@@ -306,8 +306,8 @@ def _causal_mask(m: Match, q: torch.Tensor, k: torch.Tensor, masked: bool) -> bo
     """Whether the mask is a fact about the model (made from module buffers and shapes) that
     says exactly "causal": then SDPA runs with `is_causal=True` and no mask tensor is made.
     The buffers may change later, so the compiled step checks them before every call."""
-    t = q.shape[-2]
-    if not isinstance(t, int) or k.shape[-2] != t:
+    t = static_int(q.shape[-2])
+    if t is None or static_int(k.shape[-2]) != t:
         return False
     folded = constants.fold(m.bindings["mask"])
     if folded is None:
