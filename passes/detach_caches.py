@@ -22,10 +22,13 @@ over twelve layers), all alive at once as the backward starts. Eager makes none.
 Exact for every backward that does not reach the caches; one that does (a loss on the
 returned keys, or a next step that attends to this step's cache without detaching it) raises,
 naming the way out, where eager would have trained through them. Fires on returned values
-made as HF's cache makes them on its first update — a `torch.cat` whose other operands are
-empty, or a slice of one (a sliding-window layer's) — and only when another returned value
-(the loss, the logits) carries a gradient, which the returned caches then hang from, so that
-they require grad exactly when eager's would.
+made as HF's cache makes them on its first update — a `torch.cat` onto empty 1-D tensors,
+or a slice of one (a sliding-window layer's) — that the graph also reads (the attention);
+returned only, the value may be a graph break's hand-over to a later graph, whose backward
+sends it a gradient. Only when another returned value (the loss, the logits) carries a
+gradient, which the returned caches then hang from, so that they require grad exactly when
+eager's would. Returned, the caches are views made by that function: edited in place while
+grad is on, they raise autograd's error for such views.
 """
 
 from __future__ import annotations
@@ -48,21 +51,32 @@ log = logging.getLogger(__name__)
 
 
 def _is_cache(node: Any) -> bool:
-    """`node` is a first cache update — `torch.cat` onto empty tensors, with a gradient — or a
-    slice of one (a sliding-window layer keeps the last tokens of it)."""
+    """`node` is a first cache update — with a gradient, read in the graph besides being
+    returned — or a slice of one (a sliding-window layer keeps the last tokens of it)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     if node.target is operator.getitem and _is_slicing(node.args[1]):
         return _is_cache(node.args[0]) and _carries_gradient(node)
+    # Read only by the output, the value goes to a later graph (a graph break), whose backward
+    # may send it a gradient: not one to detach.
+    read_here = any(u.op != "output" for u in node.users)
+    return _is_first_update(node) and _carries_gradient(node) and read_here
+
+
+def _is_first_update(node: fx.Node) -> bool:
+    """`torch.cat([torch.tensor([]), states], dim)`: HF's cache layers start from an empty
+    1-D tensor, which `cat` lets stand beside tensors of any rank (a user's own empty prefix,
+    `x.new_zeros(B, 0, D)`, has the states' rank and is not taken for one)."""
     if node.target is not torch.cat:
         return False
     parts = node.args[0] if node.args else node.kwargs.get("tensors")
     if not isinstance(parts, (list, tuple)) or len(parts) < 2:
         return False
-    earlier = [example_value(p) for p in parts[:-1]]
     value = example_value(node)
-    empty = all(isinstance(t, torch.Tensor) and t.numel() == 0 for t in earlier)
-    return empty and isinstance(value, torch.Tensor) and value.requires_grad
+    if not isinstance(value, torch.Tensor) or value.ndim < 2:
+        return False
+    earlier = [example_value(p) for p in parts[:-1]]
+    return all(isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0 for t in earlier)
 
 
 def _is_slicing(index: Any) -> bool:

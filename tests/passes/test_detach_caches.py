@@ -5,8 +5,9 @@ update (`torch.cat` onto an empty tensor), and HF GPT-2 and Llama built from con
 `use_cache` at its default (Mistral's sliding-window cache too): the loss and every parameter's gradient equal eager's, the caches'
 values equal eager's and require grad exactly where eager's do, a backward of the loss alone
 measures the zeros' bytes below the step without the pass, and a gradient sent into a cache
-raises. Left alone: a cache update onto a non-empty past, and a graph whose only
-differentiable outputs are the caches.
+raises. Left alone: a cache update onto a non-empty past, a prefix of the states' own rank, a
+cache that a graph break hands to a later graph, and a graph whose only differentiable outputs
+are the caches.
 """
 
 from __future__ import annotations
@@ -31,15 +32,21 @@ B, T, D, HEADS = 2, 64, 32, 4
 class Layer(nn.Module):
     """Attention over projected q/k/v; returns the loss and the (keys, values) cache."""
 
-    def __init__(self, past: bool = False, loss: bool = True, window: int | None = None):
+    def __init__(self, past: str = "empty", loss: bool = True, window: int | None = None, graph_break=False):
         super().__init__()
         self.qkv = nn.Linear(D, 3 * D)
-        self.past, self.loss, self.window = past, loss, window
+        self.past, self.loss, self.window, self.graph_break = past, loss, window, graph_break
 
     def forward(self, x):
         q, k, v = (t.view(B, T, HEADS, D // HEADS).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))
-        past = torch.ones(B, HEADS, 1, D // HEADS) if self.past else torch.tensor([])
+        past = {
+            "empty": lambda: torch.tensor([]),  # as HF's cache layers start
+            "tokens": lambda: torch.ones(B, HEADS, 1, D // HEADS),
+            "own-empty": lambda: k.new_zeros(B, HEADS, 0, D // HEADS),  # a prefix of the states' rank
+        }[self.past]()
         keys, values = torch.cat([past, k], dim=-2), torch.cat([past, v], dim=-2)
+        if self.graph_break:  # the attention runs in a second graph
+            torch._dynamo.graph_break()
         y = F.scaled_dot_product_attention(q, keys, values)
         if self.window:  # a sliding-window layer keeps the last tokens
             keys, values = keys[:, :, -self.window :, :], values[:, :, -self.window :, :]
@@ -81,16 +88,36 @@ def test_a_gradient_into_a_cache_raises():
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("kwargs", [{"past": True}, {"loss": False}], ids=["onto-a-past", "nothing-to-hang-from"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"past": "tokens"}, {"past": "own-empty"}, {"loss": False}],
+    ids=["onto-a-past", "own-empty-prefix", "nothing-to-hang-from"],
+)
 def test_left_alone(kwargs):
+    # A loss on the returned values: each trains through them as eager does.
     torch.manual_seed(0)
     model, x = Layer(**kwargs), _x()
     compiled, seen = compile_with_pass(detach_caches, model)
-    loss = (lambda o: o[0]) if model.loss else (lambda o: o[0].sum() + o[1].sum())
+    loss = lambda o: sum(t.sum() for t in o[int(model.loss) :]) + (o[0] if model.loss else 0)  # noqa: E731
     loss_err, worst = compare_with_eager(lambda: model(x), lambda: compiled(x), list(model.parameters()), loss)
     assert loss_err < TOL and worst < TOL, (loss_err, worst)
     ((_, fired),) = seen
     assert fired == 0
+
+
+def test_a_cache_handed_to_a_later_graph_is_left_alone():
+    # Across a graph break the first graph returns the cache to the second, whose backward sends
+    # it a gradient: only values the graph also reads are detached.
+    torch.manual_seed(0)
+    model, x = Layer(graph_break=True), _x()
+    model(x)[0].backward()
+    ref = grads_of(model)
+    zero_grads(model)
+    plans = []
+    compiled = torch.compile(model, backend="fxmem", options={"compiler": "eager", "on_plan": plans.append})
+    compiled(x)[0].backward()
+    assert len(plans) == 2 and all(p.rewrites["detach_caches"] == 0 for p in plans)
+    assert max_rel_err(grads_of(model), ref) < TOL
 
 
 # --- HF models with their caches --------------------------------------------------------------------
