@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 __all__ = [
+    "RECOMPILE_LIMIT_ERRORS",
     "FakeTensor",
     "aot_autograd",
     "boxed_graph_function",
@@ -47,6 +48,12 @@ __all__ = [
     "sdpa_backend",
     "trace_artifact",
 ]
+
+# What a fullgraph torch.compile raises when a new input needs one recompilation more than
+# `torch._dynamo.config.recompile_limit` allows.
+RECOMPILE_LIMIT_ERRORS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),) if e is not None
+)
 
 is_primal = _is_primal
 is_tangent = _is_tangent

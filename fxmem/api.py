@@ -184,6 +184,13 @@ class FxmemModule(nn.Module):
             if isinstance(inner, (BudgetError, ValueError, TypeError)):
                 raise inner from None
             raise
+        except tp.RECOMPILE_LIMIT_ERRORS as e:
+            limit = torch._dynamo.config.recompile_limit
+            raise RuntimeError(
+                f"fxmem plans each input shape as it comes, and this module has been compiled for "
+                f"{limit} shapes (torch._dynamo.config.recompile_limit): pad inputs to a few sizes, "
+                "or raise that limit before the new shapes come"
+            ) from e
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 "fxmem plans one graph per step and this model does not capture as one "

@@ -311,6 +311,19 @@ def test_graph_break_is_a_clear_error_and_leaves_model_untouched():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_shapes_past_the_recompile_limit_are_a_clear_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    limit = torch._dynamo.config.recompile_limit
+    for batch in range(1, limit + 1):  # each shape planned
+        m(torch.randn(batch, 8)).sum().backward()
+    assert len(m.plans) == limit
+    with pytest.raises(RuntimeError, match="recompile_limit"):
+        m(torch.randn(limit + 1, 8))
+    m(torch.randn(2, 8)).sum().backward()  # the shapes planned still run
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "8GB", None, True, [1]])
 def test_nonsense_budgets_refused(bad):
     model = nn.Linear(4, 4)
