@@ -45,8 +45,9 @@ def _gpt2(n_layer: int = 4):
     return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
 
 
-def _llama(n_layer: int = 4):
-    cfg = transformers.LlamaConfig(
+def _llama(n_layer: int = 4, config=None, model=None, **extra):
+    """A Llama-shaped decoder; `config`/`model` classes of another of that shape (Mistral)."""
+    cfg = (config or transformers.LlamaConfig)(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=176,
@@ -57,16 +58,22 @@ def _llama(n_layer: int = 4):
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=None,
+        **extra,
     )
-    return transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager")
+    return (model or transformers.LlamaForCausalLM)._from_config(cfg, attn_implementation="eager")
 
 
 MODELS = {"gpt2": _gpt2, "llama": _llama}
 
 
+def _mistral(n_layer: int = 4):
+    # a window under BATCH's 256 tokens: its cache layers keep a slice of their first update
+    return _llama(n_layer, transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=64)
+
+
 def _build(name: str, n_layer: int = 4, batch: tuple[int, int] = BATCH):
     torch.manual_seed(0)
-    model = MODELS[name](n_layer)
+    model = {**MODELS, "mistral": _mistral}[name](n_layer)
     model.train()
     assert model.config._attn_implementation == "eager"
     ids = torch.randint(0, VOCAB, batch)

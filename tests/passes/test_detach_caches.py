@@ -125,34 +125,12 @@ def test_a_cache_handed_to_a_later_graph_is_left_alone():
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(name: str, n_layer: int):
-    from test_hf_models import BATCH, VOCAB, _build
-
-    if name != "mistral":
-        return _build(name, n_layer=n_layer)
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=n_layer,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=BATCH[1],
-        sliding_window=64,  # under the 256 tokens: the cache keeps a slice
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM._from_config(cfg, attn_implementation="eager").train()
-    ids = torch.randint(0, VOCAB, BATCH)
-    return model, {"input_ids": ids, "labels": ids}
-
-
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral"])
 def test_hf_caches_cost_no_zeros(name):
+    from test_hf_models import _build
+
     n_layer = 2
-    model, kwargs = _hf(name, n_layer)
+    model, kwargs = _build(name, n_layer=n_layer)
     assert model.config.use_cache
     eager = copy.deepcopy(model)
     ref_out = eager(**kwargs)
