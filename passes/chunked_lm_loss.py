@@ -15,14 +15,16 @@ inputs), so neither the (B*T, V) logits nor their log-softmax nor their gradient
 whole in memory; the backward only scales the gradients it was handed by the loss's
 gradient. The planner sees the chunk loop as ordinary forward ops: it keeps the gradients,
 or, under memory pressure, runs the loop again in the backward, chunk by chunk. When the logits
-are also returned (HF models return them beside the loss), they are computed once, the loss is
-formed chunk by chunk from them, and the backward works chunk by chunk too. Logits the graph
-only returns leave the compiled step without a gradient, `h` (and `w`, `b`) beside them, and
-an output hook (`fxmem.outputs`) gives them their gradient again outside the step: a backward
-of the loss alone then runs nothing for them, where a compiled step's backward would receive a
-tensor of zeros as large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the
-graph reads again, or makes in a no_grad region, take whatever gradient the caller sends inside
-the step. The logits so returned are a view made by that function: edited in place while grad
+are also returned (HF models return them beside the loss), they are computed once and each
+chunk reads its rows of them. Logits the graph only returns leave the compiled step without a
+gradient, `h` (and `w`, `b`) beside them, and an output hook (`fxmem.outputs`) gives them their
+gradient again outside the step: the loss's gradients are formed in the forward as above, so
+the backward reads nothing of the logits — a step that keeps only the loss
+(`model(**batch).loss.backward()`) frees them when the forward ends — and a backward of the
+loss alone runs nothing for them, where a compiled step's backward would receive a tensor of
+zeros as large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the graph
+reads again, or makes in a no_grad region, take whatever gradient the caller sends inside the
+step, whose backward then works chunk by chunk from the saved logits. The logits so returned are a view made by that function: edited in place while grad
 is on, they raise autograd's error for such views (clone them first), where the step's backward
 would otherwise read the edited values.
 
@@ -163,21 +165,27 @@ def _(loss, grads):
 
 
 class _LossAndGrads(torch.autograd.Function):
-    """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
+    """The loss, and with `return_logits` the whole logits beside it without a gradient (the
+    step's output hook gives them theirs); the loss's gradients are formed in the forward,
+    chunk by chunk, so the backward reads neither the logits nor `h`: logits the caller drops
+    are freed before the backward."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, return_logits):
         hidden, w_mm = w.shape[1], _matmul_weight(w)
         h2 = h.reshape(-1, hidden)
+        logits = F.linear(h, w, b) if return_logits else None
+        flat = None if logits is None else logits.view(-1, w.shape[0])
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
         for start in range(0, h2.shape[0], chunk_rows):
             n = min(chunk_rows, h2.shape[0] - start)
             hc, yc, vc = h2[start : start + n], copy_rows(y, start, n), copy_rows(valid, start, n)
-            logits = F.linear(hc, w_mm, b).float()  # (rows, V)
-            loss, lse = _chunk_loss(logits, yc, vc)
+            chunk = F.linear(hc, w_mm, b) if flat is None else flat[start : start + n]
+            chunk = chunk.float()  # (rows, V)
+            loss, lse = _chunk_loss(chunk, yc, vc)
             total = total + loss
-            grad = _chunk_grad(logits, lse, yc, vc).to(w.dtype)
+            grad = _chunk_grad(chunk, lse, yc, vc).to(w.dtype)
             dh_parts.append(grad @ w_mm)
             dw = _accumulate(dw, grad, hc, w.dtype)
             if b is not None:
@@ -185,26 +193,31 @@ class _LossAndGrads(torch.autograd.Function):
         dh = torch.cat(dh_parts).view(h.shape)
         ctx.save_for_backward(dh, dw, *(() if db is None else (db,)), denominator)
         ctx.has_bias = b is not None
-        return _loss_with_grads(total / denominator, [dh, dw] + ([] if db is None else [db]))
+        loss = _loss_with_grads(total / denominator, [dh, dw] + ([] if db is None else [db]))
+        if logits is None:
+            return loss
+        ctx.mark_non_differentiable(logits)
+        ctx.set_materialize_grads(False)
+        return loss, logits
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_logits=None):
+        if grad_loss is None:
+            return (None,) * 8
         saved = ctx.saved_tensors
         dh, dw, denominator = saved[0], saved[1], saved[-1]
         scale = grad_loss / denominator
         db = saved[2] * scale.to(saved[2].dtype) if ctx.has_bias else None
-        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None
+        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None, None
 
 
 class _LossAndLogits(torch.autograd.Function):
-    """Loss and the full logits as outputs; the backward works chunk by chunk."""
+    """Loss and the full logits as outputs, both with a gradient inside the step (logits the
+    graph reads again): the backward adds the logits' gradient to the loss's, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, logits_grad):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
         logits = F.linear(h, w, b)
-        if not logits_grad:  # `_LogitsGradient` gives them their gradient, outside the step
-            ctx.mark_non_differentiable(logits)
-            ctx.set_materialize_grads(False)
         flat = logits.view(-1, w.shape[0])
         total = flat.new_zeros((), dtype=torch.float32)
         lses = []
@@ -220,8 +233,6 @@ class _LossAndLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_logits):
         h, w, logits, lse, y, valid, denominator = ctx.saved_tensors
-        if grad_loss is None:
-            return (None,) * 8
         hidden, rows = w.shape[1], ctx.chunk_rows
         h2, flat = h.reshape(-1, hidden), logits.view(-1, w.shape[0])
         g_flat = None if grad_logits is None else grad_logits.reshape(flat.shape)
@@ -237,7 +248,7 @@ class _LossAndLogits(torch.autograd.Function):
             dw = _accumulate(dw, grad, h2[start:end], w.dtype)
             if ctx.has_bias:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
-        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None
+        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None
 
 
 class _LogitsGradient(torch.autograd.Function):
@@ -308,8 +319,10 @@ def chunked_cross_entropy(
     safe_y = torch.where(valid, y, 0)
     valid_f = valid.float()
     denominator = valid_f.sum() if reduction == "mean" else torch.ones((), device=y.device)
-    if return_logits:
-        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, logits_grad)
+    if return_logits and logits_grad:
+        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+    if return_logits:  # the logits' gradient comes from `_LogitsGradient`, outside the step
+        return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, True)
     if not torch.is_grad_enabled():  # no backward to prepare for
         h2 = h.reshape(-1, w.shape[1])
         total = sum(
@@ -319,7 +332,7 @@ def chunked_cross_entropy(
             for s in range(0, h2.shape[0], chunk_rows)
         )
         return total / denominator
-    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, False)
 
 
 _RULES = [
