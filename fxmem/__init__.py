@@ -10,12 +10,13 @@ or, without importing fxmem: torch.compile(model, backend="fxmem", options={"bud
 
 from fxmem.api import FxmemModule, optimize
 from fxmem.backend import fxmem_backend, recent_plans
-from fxmem.errors import BudgetError, GraphBreakError, PlanMismatchError
+from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
 from fxmem.plan import Decision, Plan
 
 __all__ = [
     "BudgetError",
+    "DataDependentShapeError",
     "Decision",
     "FxmemModule",
     "GraphBreakError",

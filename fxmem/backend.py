@@ -22,11 +22,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
-from fxmem.errors import BudgetError, check_budget_gb
+from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
 from fxmem.measure import live_storage_bytes
 from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import with_output_hooks
@@ -238,6 +239,26 @@ def _fix_shapes(example_inputs: Sequence[Any]) -> None:
             int(d)
 
 
+def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
+    """Raise `DataDependentShapeError` naming the first value whose size the data decides."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape) for v in values):
+            continue  # a scalar the data decides (`.item()`) is no size
+        trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+        files = [i for i, line in enumerate(trace) if line.startswith("File ")]
+        where = " at " + ": ".join(trace[files[-1] : files[-1] + 2]) if files else ""
+        raise DataDependentShapeError(
+            f"{node.name!r}{where} is a value whose size depends on the data, and a plan "
+            "holds its budget for the sizes it was made for. Leave "
+            "torch._dynamo.config.capture_dynamic_output_shape_ops (and capture_scalar_outputs) off, "
+            'so that torch.compile(backend="fxmem") plans the graphs on either side of it, or '
+            "compute at a fixed size (torch.where or a multiplication by the mask instead of "
+            "indexing with it)"
+        )
+
+
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
     """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin, dump
     (a folder to save every plan into; default $FXMEM_DUMP), plan (a saved plan.json to apply)."""
@@ -247,6 +268,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
     _fix_shapes(example_inputs)
+    _refuse_data_dependent_sizes(gm)
     gm, fired = run_passes(gm, example_inputs, opts.pass_names())
     state_bytes, step_bytes = optimizer_bytes(opts.optimizer)
 

@@ -11,7 +11,7 @@ from fxmem.plan import format_bytes
 if TYPE_CHECKING:
     from fxmem.plan import Plan
 
-__all__ = ["BudgetError", "GraphBreakError", "PlanMismatchError", "check_budget_gb"]
+__all__ = ["BudgetError", "DataDependentShapeError", "GraphBreakError", "PlanMismatchError", "check_budget_gb"]
 
 
 class BudgetError(ValueError):
@@ -41,6 +41,12 @@ class PlanMismatchError(ValueError):
 
 class GraphBreakError(RuntimeError):
     """The model does not capture as one graph, so one budget cannot be planned across it."""
+
+
+class DataDependentShapeError(ValueError):
+    """The graph makes a tensor whose size depends on the data (boolean-mask indexing,
+    `nonzero`, `.item()` sizes captured under `capture_dynamic_output_shape_ops`): no one plan
+    holds a budget for every size it may take. Raised before the step runs."""
 
 
 def check_budget_gb(budget_gb: object) -> int:

@@ -176,6 +176,40 @@ def test_each_input_shape_is_planned_and_holds_the_budget(dynamic):
         assert plans[-1].budget_bytes == int(budget)
 
 
+class _Masked(torch.nn.Module):
+    """A loss over the rows a mask keeps: how many is the data's to say."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[h.sum(-1) > 0].square().sum()
+
+
+def test_sizes_the_data_decides_are_refused():
+    torch.manual_seed(0)
+    model, x = _Masked(), torch.randn(64, 16)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="whose size depends on the data") as info:
+            torch.compile(model, backend="fxmem", options={"compiler": "eager"})(x)
+        assert isinstance(info.value.inner_exception, fxmem.DataDependentShapeError)
+        torch._dynamo.reset()
+        with pytest.raises(fxmem.DataDependentShapeError, match="capture_dynamic_output_shape_ops"):
+            fxmem.optimize(model, 1.0, compiler="eager")(x)
+    assert all(p.grad is None for p in model.parameters())
+    # As Dynamo captures by default, the graph breaks at the indexing; each side is planned.
+    model(x).backward()
+    want = grads_of(model)
+    zero_grads(model)
+    plans = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fxmem", options={"compiler": "eager", "on_plan": plans.append})
+    compiled(x).backward()
+    assert plans and max_rel_err(grads_of(model), want) < 1e-5
+
+
 def _compile_and_call(options):
     """Options reach the backend only when Dynamo first compiles, so that call fails."""
     model, batch = _build()
