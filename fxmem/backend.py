@@ -29,6 +29,7 @@ from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
 from fxmem.measure import live_storage_bytes
+from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn
@@ -239,6 +240,27 @@ def _fix_shapes(example_inputs: Sequence[Any]) -> None:
             int(d)
 
 
+def _inline_fixed_sizes(gm: fx.GraphModule) -> None:
+    """Write the sizes `_fix_shapes` fixed into the graph as ints: a view's shape argument
+    `(4, s0, 4, 16)` becomes `(4, 256, 4, 16)`, so the passes rewrite the graph as they would
+    one captured at fixed sizes. The size inputs stay (Dynamo passes them), unread; the
+    arithmetic on them goes."""
+    fixed: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) and (size := static_int(value)) is not None:
+            fixed[node] = size
+    if not fixed:
+        return
+    for node in gm.graph.nodes:
+        if node not in fixed:
+            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: fixed.get(a, a))
+    for node in reversed(list(fixed)):
+        if node.op != "placeholder" and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
     """Raise `DataDependentShapeError` naming the first value whose size the data decides."""
     for node in gm.graph.nodes:
@@ -268,6 +290,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
     _fix_shapes(example_inputs)
+    _inline_fixed_sizes(gm)
     _refuse_data_dependent_sizes(gm)
     gm, fired = run_passes(gm, example_inputs, opts.pass_names())
     state_bytes, step_bytes = optimizer_bytes(opts.optimizer)

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxmem.ops import example_value, writes_in_place
+from fxmem.ops import example_value, static_int, static_shape, writes_in_place
 
 __all__ = ["UNKNOWN", "BatchDims", "Label", "batch_size"]
 
@@ -71,9 +71,7 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     if not isinstance(node, fx.Node):
         return None
     v = example_value(node)
-    if isinstance(v, torch.Tensor) and all(isinstance(n, int) for n in v.shape):
-        return tuple(v.shape)
-    return None
+    return static_shape(v) if isinstance(v, torch.Tensor) else None
 
 
 class BatchDims:
@@ -352,7 +350,8 @@ def batch_size(gm: fx.GraphModule) -> int | None:
     for node in gm.graph.find_nodes(op="placeholder"):
         v = example_value(node)
         if isinstance(v, torch.Tensor) and not _is_module_state(node):
-            if v.ndim == 0 or not isinstance(v.shape[0], int):
+            first = static_int(v.shape[0]) if v.ndim else None
+            if first is None:
                 return None
-            sizes.add(v.shape[0])
+            sizes.add(first)
     return sizes.pop() if len(sizes) == 1 else None

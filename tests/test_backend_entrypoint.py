@@ -17,6 +17,7 @@ import torch
 from conftest import grads_of, max_rel_err, step, zero_grads
 
 import fxmem
+from fxmem.pipeline import default_passes
 
 # One definition, exec'd here and in the child: a small causal self-attention stack whose
 # (B, H, T, T) score tensors dominate the step, as in conftest's GPT.
@@ -174,6 +175,35 @@ def test_each_input_shape_is_planned_and_holds_the_budget(dynamic):
         # the passes see the sizes fixed: the same rewrites at every shape
         assert plans[-1].rewrites["swap_sdpa"] == 3 and plans[-1].rewrites["chunked_lm_loss"] == 1, t
         assert plans[-1].budget_bytes == int(budget)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_blocks_are_sliced_at_a_later_input_shape(dynamic):
+    # A budget under the unsliced floor at 256 tokens: microbatch_blocks slices the blocks when
+    # 256 comes second, its sizes symbolic to Dynamo, as when it comes first.
+    model, (idx, targets) = _build()
+    eager, _ = _build()
+    with pytest.raises(fxmem.BudgetError) as info:
+        fxmem.optimize(_build()[0], 1e-6, compiler="eager", example_inputs=(idx, targets))
+    budget = 0.9 * info.value.floor_bytes
+    plans = []
+    options = {
+        "budget_gb": budget / 2**30,
+        "compiler": "eager",
+        "passes": [*default_passes(), "microbatch_blocks"],
+        "on_plan": plans.append,
+    }
+    compiled = torch.compile(model, backend="fxmem", dynamic=dynamic, options=options)
+    for t in (128, 256):
+        batch = idx[:, :t].contiguous(), targets[:, :t].contiguous()
+        zero_grads(eager)
+        step(eager, *batch)
+        zero_grads(model)
+        step(compiled, *batch)
+        assert max_rel_err(grads_of(model), grads_of(eager)) < 1e-4, t
+        zero_grads(model)
+        assert fxmem.measure(step, compiled, *batch).peak_bytes <= budget, t
+    assert plans[-1].batch_slices >= 2 and plans[-1].rewrites["microbatch_blocks"] == 3
 
 
 class _Masked(torch.nn.Module):
