@@ -18,15 +18,16 @@ or, under memory pressure, runs the loop again in the backward, chunk by chunk. 
 are also returned (HF models return them beside the loss), they are computed once and each
 chunk reads its rows of them. Logits the graph only returns leave the compiled step without a
 gradient, `h` (and `w`, `b`) beside them, and an output hook (`fxmem.outputs`) gives them their
-gradient again outside the step: the loss's gradients are formed in the forward as above, so
-the backward reads nothing of the logits — a step that keeps only the loss
-(`model(**batch).loss.backward()`) frees them when the forward ends — and a backward of the
-loss alone runs nothing for them, where a compiled step's backward would receive a tensor of
-zeros as large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the graph
-reads again, or makes in a no_grad region, take whatever gradient the caller sends inside the
-step, whose backward then works chunk by chunk from the saved logits. The logits so returned are a view made by that function: edited in place while grad
-is on, they raise autograd's error for such views (clone them first), where the step's backward
-would otherwise read the edited values.
+gradient again outside the step. They are not saved for the backward, which forms each
+chunk's logits again from `h` (one more pass of the head's matmul) and reads nothing the caller
+holds: a step that keeps only the loss (`model(**batch).loss.backward()`) frees them when the
+forward ends, edits to them cannot reach the gradients, and a backward of the loss alone
+runs nothing for them, where a compiled step's backward would receive a tensor of zeros as
+large as the logits (HF GPT-2 small, 8 x 1024 tokens: 1.5 GiB). Logits the graph reads again,
+or makes in a no_grad region, take whatever gradient the caller sends inside the step, whose
+backward then works chunk by chunk from the saved logits. The logits so returned are a view
+made by that function: edited in place while grad is on, they raise autograd's error for such
+views (clone them first).
 
 Exact: the same log-sum-exp and picked logit per row, summed in chunks, to float rounding;
 `ignore_index` rows count neither in the sum nor in the mean's denominator. Fires when the
@@ -165,27 +166,21 @@ def _(loss, grads):
 
 
 class _LossAndGrads(torch.autograd.Function):
-    """The loss, and with `return_logits` the whole logits beside it without a gradient (the
-    step's output hook gives them theirs); the loss's gradients are formed in the forward,
-    chunk by chunk, so the backward reads neither the logits nor `h`: logits the caller drops
-    are freed before the backward."""
+    """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, return_logits):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
         hidden, w_mm = w.shape[1], _matmul_weight(w)
         h2 = h.reshape(-1, hidden)
-        logits = F.linear(h, w, b) if return_logits else None
-        flat = None if logits is None else logits.view(-1, w.shape[0])
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
         for start in range(0, h2.shape[0], chunk_rows):
             n = min(chunk_rows, h2.shape[0] - start)
             hc, yc, vc = h2[start : start + n], copy_rows(y, start, n), copy_rows(valid, start, n)
-            chunk = F.linear(hc, w_mm, b) if flat is None else flat[start : start + n]
-            chunk = chunk.float()  # (rows, V)
-            loss, lse = _chunk_loss(chunk, yc, vc)
+            logits = F.linear(hc, w_mm, b).float()  # (rows, V)
+            loss, lse = _chunk_loss(logits, yc, vc)
             total = total + loss
-            grad = _chunk_grad(chunk, lse, yc, vc).to(w.dtype)
+            grad = _chunk_grad(logits, lse, yc, vc).to(w.dtype)
             dh_parts.append(grad @ w_mm)
             dw = _accumulate(dw, grad, hc, w.dtype)
             if b is not None:
@@ -193,30 +188,27 @@ class _LossAndGrads(torch.autograd.Function):
         dh = torch.cat(dh_parts).view(h.shape)
         ctx.save_for_backward(dh, dw, *(() if db is None else (db,)), denominator)
         ctx.has_bias = b is not None
-        loss = _loss_with_grads(total / denominator, [dh, dw] + ([] if db is None else [db]))
-        if logits is None:
-            return loss
-        ctx.mark_non_differentiable(logits)
-        ctx.set_materialize_grads(False)
-        return loss, logits
+        return _loss_with_grads(total / denominator, [dh, dw] + ([] if db is None else [db]))
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_logits=None):
-        if grad_loss is None:
-            return (None,) * 8
+    def backward(ctx, grad_loss):
         saved = ctx.saved_tensors
         dh, dw, denominator = saved[0], saved[1], saved[-1]
         scale = grad_loss / denominator
         db = saved[2] * scale.to(saved[2].dtype) if ctx.has_bias else None
-        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None, None
+        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None
 
 
 class _LossAndLogits(torch.autograd.Function):
-    """Loss and the full logits as outputs, both with a gradient inside the step (logits the
-    graph reads again): the backward adds the logits' gradient to the loss's, chunk by chunk."""
+    """Loss and the full logits as outputs; the backward works chunk by chunk. With
+    `logits_grad` (logits the graph reads again) the logits take their gradient inside the step
+    and the backward reads the saved logits. Without, the logits leave without a gradient
+    (`_LogitsGradient` gives them theirs, outside) and are not saved: the backward forms each
+    chunk's logits again from `h`, so it reads nothing the caller holds — a step keeping only
+    the loss frees them when the forward ends, and edits to them cannot reach the gradients."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, logits_grad):
         logits = F.linear(h, w, b)
         flat = logits.view(-1, w.shape[0])
         total = flat.new_zeros((), dtype=torch.float32)
@@ -226,21 +218,33 @@ class _LossAndLogits(torch.autograd.Function):
             loss, lse = _chunk_loss(flat[start:end].float(), y[start:end], valid[start:end])
             total = total + loss
             lses.append(lse)
-        ctx.save_for_backward(h, w, logits, torch.cat(lses), y, valid, denominator)
-        ctx.chunk_rows, ctx.has_bias = chunk_rows, b is not None
+        kept = logits if logits_grad else b  # the logits, or what forms them again
+        if not logits_grad:
+            ctx.mark_non_differentiable(logits)
+            ctx.set_materialize_grads(False)
+        ctx.save_for_backward(h, w, kept, torch.cat(lses), y, valid, denominator)
+        ctx.chunk_rows, ctx.has_bias, ctx.logits_grad, ctx.dtype = chunk_rows, b is not None, logits_grad, logits.dtype
         return total / denominator, logits
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logits):
-        h, w, logits, lse, y, valid, denominator = ctx.saved_tensors
-        hidden, rows = w.shape[1], ctx.chunk_rows
-        h2, flat = h.reshape(-1, hidden), logits.view(-1, w.shape[0])
-        g_flat = None if grad_logits is None else grad_logits.reshape(flat.shape)
+        h, w, kept, lse, y, valid, denominator = ctx.saved_tensors
+        if grad_loss is None:
+            return (None,) * 8
+        hidden, rows, vocab = w.shape[1], ctx.chunk_rows, w.shape[0]
+        h2 = h.reshape(-1, hidden)
+        if ctx.logits_grad:
+            flat = kept.view(-1, vocab)
+            chunk_logits = lambda start, end: flat[start:end]  # noqa: E731
+        else:  # as the forward made them: F.linear on inputs cast to the logits' dtype
+            w_dt, b_dt = w.to(ctx.dtype), None if kept is None else kept.to(ctx.dtype)
+            chunk_logits = lambda start, end: F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)  # noqa: E731
+        g_flat = None if grad_logits is None else grad_logits.reshape(-1, vocab)
         scale = grad_loss / denominator
         dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
-        for start in range(0, flat.shape[0], rows):
+        for start in range(0, h2.shape[0], rows):
             end = start + rows
-            grad = _chunk_grad(flat[start:end].float(), lse[start:end], y[start:end], valid[start:end]) * scale
+            grad = _chunk_grad(chunk_logits(start, end).float(), lse[start:end], y[start:end], valid[start:end]) * scale
             if g_flat is not None:
                 grad = grad + g_flat[start:end].float()
             grad = grad.to(w.dtype)
@@ -248,7 +252,7 @@ class _LossAndLogits(torch.autograd.Function):
             dw = _accumulate(dw, grad, h2[start:end], w.dtype)
             if ctx.has_bias:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
-        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None
+        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None
 
 
 class _LogitsGradient(torch.autograd.Function):
@@ -319,10 +323,8 @@ def chunked_cross_entropy(
     safe_y = torch.where(valid, y, 0)
     valid_f = valid.float()
     denominator = valid_f.sum() if reduction == "mean" else torch.ones((), device=y.device)
-    if return_logits and logits_grad:
-        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
-    if return_logits:  # the logits' gradient comes from `_LogitsGradient`, outside the step
-        return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, True)
+    if return_logits:
+        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, logits_grad)
     if not torch.is_grad_enabled():  # no backward to prepare for
         h2 = h.reshape(-1, w.shape[1])
         total = sum(
@@ -332,7 +334,7 @@ def chunked_cross_entropy(
             for s in range(0, h2.shape[0], chunk_rows)
         )
         return total / denominator
-    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, False)
+    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
 
 
 _RULES = [

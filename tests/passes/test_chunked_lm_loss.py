@@ -242,7 +242,7 @@ def test_the_backward_reads_nothing_of_returned_logits(compiler):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
             loss, logits = m(x, y)
         assert m.plan.rewrites == {"chunked_lm_loss": 1}
-        # Saved: the loss's gradients for h, w, b and the head's h, w for the logits' own.
+        # Saved: the head's h, w, b and per-row values (log-sum-exp, targets); no logits.
         assert shapes and all(math.prod(s) < logits.numel() for s in shapes), (shapes, logits.shape)
         with torch.no_grad():
             edit(logits)
@@ -260,6 +260,28 @@ def test_no_grad_forward_is_eagers_loss():
         got, ref = compiled(x, y), model(x, y)
     assert seen[0][1] == 1
     assert torch.allclose(got, ref, rtol=TOL)
+
+
+def test_no_grad_loss_and_logits_run_the_head_once():
+    """Evaluation with labels (an HF model's loss and logits under no_grad) forms no gradients:
+    one matmul, the logits', and the loss from their rows."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 25, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g)
+    y = torch.randint(0, VOCAB, (50,), generator=g)
+    matmuls = (F.linear, torch.matmul, torch.Tensor.__matmul__, torch.mm, torch.addmm)
+    calls = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        loss, logits = chunked_cross_entropy(h, w, None, y, chunk_rows=16, return_logits=True, logits_grad=False)
+    assert calls == [F.linear]
+    assert torch.equal(logits, F.linear(h, w))
+    assert torch.allclose(loss, F.cross_entropy(logits.view(-1, VOCAB), y), rtol=TOL)
 
 
 def test_nanogpt_head_end_to_end():
