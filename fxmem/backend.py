@@ -28,6 +28,7 @@ from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
+from fxmem.graph import source_line
 from fxmem.measure import live_storage_bytes
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
@@ -268,9 +269,7 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
         values = value if isinstance(value, (list, tuple)) else [value]
         if not any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape) for v in values):
             continue  # a scalar the data decides (`.item()`) is no size
-        trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
-        files = [i for i, line in enumerate(trace) if line.startswith("File ")]
-        where = " at " + ": ".join(trace[files[-1] : files[-1] + 2]) if files else ""
+        where = f" at {source_line(node)}" if source_line(node) else ""
         raise DataDependentShapeError(
             f"{node.name!r}{where} is a value whose size depends on the data, and a plan "
             "holds its budget for the sizes it was made for. Leave "

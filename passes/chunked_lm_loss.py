@@ -218,39 +218,37 @@ class _LossAndLogits(torch.autograd.Function):
             loss, lse = _chunk_loss(flat[start:end].float(), y[start:end], valid[start:end])
             total = total + loss
             lses.append(lse)
-        kept = logits if logits_grad else b  # the logits, or what forms them again
         if not logits_grad:
             ctx.mark_non_differentiable(logits)
             ctx.set_materialize_grads(False)
-        ctx.save_for_backward(h, w, kept, torch.cat(lses), y, valid, denominator)
-        ctx.chunk_rows, ctx.has_bias, ctx.logits_grad, ctx.dtype = chunk_rows, b is not None, logits_grad, logits.dtype
+        saved_logits = logits if logits_grad else None  # without: formed again from h
+        ctx.save_for_backward(h, w, b, saved_logits, torch.cat(lses), y, valid, denominator)
+        ctx.chunk_rows, ctx.dtype = chunk_rows, logits.dtype
         return total / denominator, logits
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logits):
-        h, w, kept, lse, y, valid, denominator = ctx.saved_tensors
+        h, w, b, logits, lse, y, valid, denominator = ctx.saved_tensors
         if grad_loss is None:
             return (None,) * 8
         hidden, rows, vocab = w.shape[1], ctx.chunk_rows, w.shape[0]
         h2 = h.reshape(-1, hidden)
-        if ctx.logits_grad:
-            flat = kept.view(-1, vocab)
-            chunk_logits = lambda start, end: flat[start:end]  # noqa: E731
-        else:  # as the forward made them: F.linear on inputs cast to the logits' dtype
-            w_dt, b_dt = w.to(ctx.dtype), None if kept is None else kept.to(ctx.dtype)
-            chunk_logits = lambda start, end: F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)  # noqa: E731
+        flat = None if logits is None else logits.view(-1, vocab)
+        if flat is None:  # formed again as the forward made them: F.linear in the logits' dtype
+            w_dt, b_dt = w.to(ctx.dtype), None if b is None else b.to(ctx.dtype)
         g_flat = None if grad_logits is None else grad_logits.reshape(-1, vocab)
         scale = grad_loss / denominator
         dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
         for start in range(0, h2.shape[0], rows):
             end = start + rows
-            grad = _chunk_grad(chunk_logits(start, end).float(), lse[start:end], y[start:end], valid[start:end]) * scale
+            chunk = flat[start:end] if flat is not None else F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)
+            grad = _chunk_grad(chunk.float(), lse[start:end], y[start:end], valid[start:end]) * scale
             if g_flat is not None:
                 grad = grad + g_flat[start:end].float()
             grad = grad.to(w.dtype)
             dh_parts.append(grad @ w_mm)
             dw = _accumulate(dw, grad, h2[start:end], w.dtype)
-            if ctx.has_bias:
+            if b is not None:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
         return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None
 

@@ -152,6 +152,19 @@ def test_entry_point_backend_holds_budget_in_fresh_interpreter(tmp_path):
     assert res["loss_err"] <= 1e-5
 
 
+def _step_at_length(t, compiled, model, eager, idx, targets, budget):
+    """A step on the first `t` tokens (planned when the length is new): gradients as eager's,
+    and the measured peak within the budget."""
+    batch = idx[:, :t].contiguous(), targets[:, :t].contiguous()
+    zero_grads(eager)
+    step(eager, *batch)
+    zero_grads(model)
+    step(compiled, *batch)
+    assert max_rel_err(grads_of(model), grads_of(eager)) < 1e-4, t
+    zero_grads(model)
+    assert fxmem.measure(step, compiled, *batch).peak_bytes <= budget, t
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_each_input_shape_is_planned_and_holds_the_budget(dynamic):
     # Dynamo makes sizes symbolic from the second shape on (dynamic=None) or from the first
@@ -163,14 +176,7 @@ def test_each_input_shape_is_planned_and_holds_the_budget(dynamic):
     options = {"budget_gb": budget / 2**30, "compiler": "eager", "on_plan": plans.append}
     compiled = torch.compile(model, backend="fxmem", dynamic=dynamic, options=options)
     for n, t in enumerate((256, 128, 192, 256)):
-        batch = idx[:, :t].contiguous(), targets[:, :t].contiguous()
-        zero_grads(eager)
-        step(eager, *batch)
-        zero_grads(model)
-        step(compiled, *batch)  # plans the shape when it is new
-        assert max_rel_err(grads_of(model), grads_of(eager)) < 1e-4, t
-        zero_grads(model)
-        assert fxmem.measure(step, compiled, *batch).peak_bytes <= budget, t
+        _step_at_length(t, compiled, model, eager, idx, targets, budget)
         assert len(plans) == min(n + 1, 3), t  # 256 again reuses its plan
         # the passes see the sizes fixed: the same rewrites at every shape
         assert plans[-1].rewrites["swap_sdpa"] == 3 and plans[-1].rewrites["chunked_lm_loss"] == 1, t
@@ -195,14 +201,7 @@ def test_blocks_are_sliced_at_a_later_input_shape(dynamic):
     }
     compiled = torch.compile(model, backend="fxmem", dynamic=dynamic, options=options)
     for t in (128, 256):
-        batch = idx[:, :t].contiguous(), targets[:, :t].contiguous()
-        zero_grads(eager)
-        step(eager, *batch)
-        zero_grads(model)
-        step(compiled, *batch)
-        assert max_rel_err(grads_of(model), grads_of(eager)) < 1e-4, t
-        zero_grads(model)
-        assert fxmem.measure(step, compiled, *batch).peak_bytes <= budget, t
+        _step_at_length(t, compiled, model, eager, idx, targets, budget)
     assert plans[-1].batch_slices >= 2 and plans[-1].rewrites["microbatch_blocks"] == 3
 
 
