@@ -8,6 +8,13 @@ trajectory is the menu: a budget takes the first (cheapest) state whose peak fit
 polishing pass saves again whatever recomputation the budget still has room for. The lowest
 peak along the trajectory is the floor.
 
+A walk ends where no single move lowers the peak, which is not always the lowest peak there
+is: a value recomputed early in the backward (a residual, rebuilt for an MLP's backward from
+its block's attention) can hold what it is made of alive through a later peak, and saving it
+instead first raises the peak somewhere else, which the walk never accepts. So from each
+walk's lowest state, the planner saves one such value, keeps it saved, and walks on; the
+first that ends lower is taken and the search goes on from there (`_kicked`).
+
 This is not a knapsack on summed saved bytes: every decision is judged by the peak over time
 that `simulate` reports, in bytes.
 """
@@ -26,6 +33,7 @@ __all__ = ["Choice", "Trajectory", "plan_trajectory"]
 _BATCH_FRACTION = 0.04  # bytes unsaved per step, as a share of the current peak
 _POLISH_TRIES = 40
 _RETRIES = 2  # walks on after moves refused before were allowed again
+_KICK_SIMULATIONS = 50  # `_kicked` may simulate as often as the walk it starts from did, or this
 
 
 @dataclass
@@ -198,28 +206,111 @@ def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
     """Two walks from "save everything": one takes the most bytes per second of added
     recomputation first, the other the most bytes first. A greedy walk can stall above the
     floor when the cheap moves it took early leave no move that lowers the peak; which one
-    reaches further depends on the graph, so both are the menu."""
-    by_rate = _walk(jg, lambda m: (-m.score, m.sid))
-    by_bytes = _walk(jg, lambda m: (-m.gain_bytes, m.cost_s, m.sid))
-    return Trajectory(jg, by_rate + by_bytes[1:], floor_bytes)
+    reaches further depends on the graph, so both are the menu, with what `_kicked` finds
+    below where each ended."""
+    rate_effort, bytes_effort = _Effort(), _Effort()
+    by_rate = _walk(jg, _by_rate, rate_effort)
+    by_bytes = _walk(jg, _by_bytes, bytes_effort)
+    kicked = _kicked(jg, _by_rate, by_rate, rate_effort.spent) + _kicked(jg, _by_bytes, by_bytes, bytes_effort.spent)
+    return Trajectory(jg, by_rate + by_bytes[1:] + kicked, floor_bytes)
 
 
-def _walk(jg: JointGraph, order: Callable[[_Move], tuple]) -> list[Choice]:
-    saved = _initial_saved(jg)
+@dataclass
+class _Effort:
+    """Simulations run, against an optional limit."""
+
+    limit: int | None = None
+    spent: int = 0
+
+    def spend(self) -> bool:
+        """Count one simulation; False when it is over the limit (and so not to be run)."""
+        self.spent += 1
+        return self.limit is None or self.spent <= self.limit
+
+
+def _by_rate(m: _Move) -> tuple:
+    return (-m.score, m.sid)
+
+
+def _by_bytes(m: _Move) -> tuple:
+    return (-m.gain_bytes, m.cost_s, m.sid)
+
+
+def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice], walked_for: int) -> list[Choice]:
+    """States below the lowest of `states`, walked to from it by saving a recomputed value.
+
+    The values tried are those read by a recomputed storage alive at the lowest state's peak
+    that are recomputed themselves and not alive then: saving one lets the backward recompute
+    what it is made of later, or not at all. Its peak may rise elsewhere first; the walk on
+    from there keeps it saved. The search simulates at most as often as the walk to `states`
+    did (`walked_for` times), or `_KICK_SIMULATIONS` times on a short walk: it costs at most
+    about as much planning time again."""
+    best = min(states, key=lambda c: c.timeline.peak_bytes)
+    found: list[Choice] = []
+    effort = _Effort(limit=max(walked_for, _KICK_SIMULATIONS))
+    lowered = True
+    while lowered:
+        lowered = False
+        for u in _readers_to_save(jg, best):
+            start = best.saved.copy()
+            start[u] = True
+            try:
+                walked = _walk(jg, order, effort, start, kept={jg.storage[u]}, retries=0)
+            except InfeasibleSave:
+                continue
+            if not walked:
+                return found  # effort spent
+            lowest = min(walked, key=lambda c: c.timeline.peak_bytes)
+            if lowest.timeline.peak_bytes < best.timeline.peak_bytes:
+                found += walked
+                best, lowered = lowest, True
+                break
+    return found
+
+
+def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:
+    """Recomputed nodes, one a storage, that read a recomputed storage alive at the peak and
+    are not alive then themselves."""
+    tl = choice.timeline
+    recomputed = set(tl.recomputed)
+    alive = {s for s, (a, f) in tl.recomputed_interval.items() if a <= tl.peak_pos <= f}
+    first: dict[int, int] = {}
+    for s in sorted(alive):
+        for i in jg.storage_nodes[s]:
+            for u in jg.users[i]:
+                su = jg.storage[u]
+                if u in recomputed and su >= 0 and su not in alive and not choice.saved[u]:
+                    first[su] = min(first.get(su, u), u)
+    return sorted(first.values())
+
+
+def _walk(
+    jg: JointGraph,
+    order: Callable[[_Move], tuple],
+    effort: _Effort,
+    saved: list[bool] | None = None,
+    kept: set[int] | None = None,
+    retries: int = _RETRIES,
+) -> list[Choice]:
+    """States from `saved` (default: everything the backward reads) down, each lowering the
+    peak or keeping it, until no move does or `effort` is spent (none, if it is spent before
+    the first); storages in `kept` are never unsaved."""
+    saved = _initial_saved(jg) if saved is None else saved
+    if not effort.spend():
+        return []
     tl = simulate(jg, saved)
     states = [Choice(saved, tl)]
     tried: set[int] = set()
-    kept: set[int] = set()  # storages saved by a _save_instead move: never unsaved again
+    kept = set() if kept is None else set(kept)  # also storages saved by a _save_instead move
     single = False
-    retries = 0
     while True:
         moves = sorted(_moves(jg, saved, tl, tried | kept) + _save_instead(jg, tl, saved, tried), key=order)
-        if not moves and tried and retries < _RETRIES:
+        if not moves and tried and retries:
             # A move refused at an earlier peak may lower the peak the walk ended at.
-            retries += 1
+            retries -= 1
             tried = set()
             continue
-        if not moves:
+        if not moves or not effort.spend():
             break
         want = 1 if single else max(1, int(_BATCH_FRACTION * tl.peak_bytes))
         batch, total = [], 0
