@@ -344,6 +344,30 @@ class JointGraph:
         return s >= 0 and any(self.storage[j] == s for j in self.inputs[i])
 
     @functools.cached_property
+    def forward_nodes(self) -> list[int]:
+        """The forward's nodes, in the order the forward runs them (graph order)."""
+        return [i for i, k in enumerate(self.kind) if k == FWD]
+
+    @functools.cached_property
+    def tangent_nodes(self) -> list[int]:
+        return [i for i, k in enumerate(self.kind) if k == TANGENT]
+
+    @functools.cached_property
+    def primal_storages(self) -> frozenset[int]:
+        """Storages of parameters, buffers and inputs."""
+        return frozenset(self.storage[i] for i, k in enumerate(self.kind) if k == PRIMAL and self.storage[i] >= 0)
+
+    @functools.cached_property
+    def forward_last_reads(self) -> dict[int, int]:
+        """Storage -> the last forward step that makes or reads it."""
+        last: dict[int, int] = {}
+        for t, i in enumerate(self.forward_nodes):
+            for j in (i, *self.inputs[i]):
+                if self.storage[j] >= 0:
+                    last[self.storage[j]] = t
+        return last
+
+    @functools.cached_property
     def tuple_parts(self) -> frozenset[int]:
         """The nodes that take one output of a multi-output op (`getitem`)."""
         return frozenset(i for i, n in enumerate(self.nodes) if n.target is operator.getitem)

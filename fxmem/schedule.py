@@ -31,14 +31,18 @@ class InfeasibleSave(Exception):
 def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
     """Backward schedule and the forward nodes it recomputes."""
     n = len(jg.nodes)
-    done = [False] * n
-    for i, k in enumerate(jg.kind):
-        if k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])):
-            done[i] = True
+    kind, users, inputs = jg.kind, jg.users, jg.inputs
+    done = [k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])) for i, k in enumerate(kind)]
     # Forward nodes the backward will need (so will recompute, if they are not saved).
     needed = [False] * n
     for i in range(n - 1, -1, -1):
-        needed[i] = jg.kind[i] == BWD or any(needed[u] and not done[u] for u in jg.users[i])
+        if kind[i] == BWD:
+            needed[i] = True
+            continue
+        for u in users[i]:
+            if needed[u] and not done[u]:
+                needed[i] = True
+                break
     order: list[int] = []
     recomputed: list[int] = []
 
@@ -50,13 +54,13 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         done[i] = True
         order.append(i)
 
-    early, parts = jg.early_gradients, jg.tuple_parts
+    early, parts, first_bwd = jg.early_gradients, jg.tuple_parts, jg.first_bwd
 
     def extra(u: int) -> bool:
         """May run early, though nothing asked for it yet: see `bring`."""
         if u in early or (u in parts and needed[u] and not jg.banned[u]):
             return not done[u]  # an early gradient, or an output of an op just run
-        if not (u < jg.first_bwd and needed[u] and not done[u] and not jg.banned[u]):
+        if not (u < first_bwd and needed[u] and not done[u] and not jg.banned[u]):
             return False
         return jg.kind[u] == BWD or u in jg.shrinking
 
@@ -72,32 +76,40 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         waits until asked for: groups of attention heads, or chunks of an MLP's rows, are
         recomputed one at a time, each beside its own gradient, not all at once.
         """
-        if done[root]:
-            return
-        todo, seen = [root], {root}
-        while todo:
-            i = todo.pop()
-            for j in jg.inputs[i]:
-                if not done[j] and j not in seen:
-                    seen.add(j)
-                    todo.append(j)
-        ready = [i for i in seen if all(done[j] for j in jg.inputs[i])]
+        seen = {root}
+        if all(done[j] for j in inputs[root]):  # the common case: run it, then its joiners
+            emit(root)
+            joiners = (u for u in users[root] if u in early or u in parts or u < first_bwd)  # see `extra`
+            ready = list(dict.fromkeys(u for u in joiners if extra(u) and all(done[j] for j in inputs[u])))
+            if not ready:
+                return
+            queued = {root, *ready}
+        else:
+            todo = [root]
+            while todo:
+                i = todo.pop()
+                for j in inputs[i]:
+                    if not done[j] and j not in seen:
+                        seen.add(j)
+                        todo.append(j)
+            ready = [i for i in seen if all(done[j] for j in inputs[i])]
+            queued = set(ready)
         heapq.heapify(ready)
-        queued = set(ready)
         while ready:
             i = heapq.heappop(ready)
             emit(i)
-            for u in jg.users[i]:
-                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in jg.inputs[u]):
+            for u in users[i]:
+                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in inputs[u]):
                     queued.add(u)
                     heapq.heappush(ready, u)
 
     deferred = jg.deferred
-    for i in range(jg.first_bwd, n):
-        if jg.kind[i] == BWD and i not in deferred:
+    for i in range(first_bwd, n):
+        if kind[i] == BWD and not done[i] and i not in deferred:
             bring(i)
     for i in jg.bwd_outputs:
-        bring(i)
+        if not done[i]:
+            bring(i)
     return order, recomputed
 
 

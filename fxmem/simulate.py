@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, transient_bytes
+from fxmem.graph import BWD, JointGraph, transient_bytes
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
@@ -58,33 +58,33 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     """Run the step on paper; `snapshot_at` records the storages alive at that step, with the
     bytes each is charged (nothing for a value a fusing compiler never writes out)."""
     events: list[tuple[int, int, int]] | None = [] if record_events else None
-    fwd_order = [i for i, k in enumerate(jg.kind) if k == FWD]
+    fwd_order = jg.forward_nodes
     bwd_order, recomputed = backward_order(jg, saved)
     # Gradients of the outputs arrive as the backward starts: for outputs the loss does not
     # depend on (logits, caches) autograd materialises full-size zeros.
-    tangents = [i for i, k in enumerate(jg.kind) if k == TANGENT]
-    emitted = fwd_order + tangents + bwd_order
+    emitted = fwd_order + jg.tangent_nodes + bwd_order
     boundary = len(fwd_order)
     order = as_realized(jg, emitted, boundary) if jg.fusible else emitted
     storage, sbytes = jg.storage, jg.storage_bytes
 
-    static = {storage[i] for i, k in enumerate(jg.kind) if k == PRIMAL and storage[i] >= 0}
+    static = jg.primal_storages
     pinned_end = {storage[i] for i in jg.fwd_outputs + jg.bwd_outputs if storage[i] >= 0}
     saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
-    # the backward is two allocations.
-    last_f: dict[int, int] = {}
+    # the backward is two allocations. The forward runs the same steps whatever is saved.
+    last_f = dict(jg.forward_last_reads)
     last_b: dict[int, int] = {}
-    for t, i in enumerate(order):
-        last = last_f if t < boundary else last_b
+    inputs = jg.inputs
+    for t in range(boundary, len(order)):
+        i = order[t]
         s = storage[i]
         if s >= 0:
-            last[s] = t
-        for j in jg.inputs[i]:
+            last_b[s] = t
+        for j in inputs[i]:
             s = storage[j]
             if s >= 0:
-                last[s] = t
+                last_b[s] = t
 
     # What a storage costs while alive: nothing if a fusing compiler never writes it out.
     held = saved_sids | pinned_end
