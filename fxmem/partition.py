@@ -157,6 +157,8 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
                     second, jg, trajectory = alternative
                     choice = trajectory.choose(limit)
                     copies = lowest[0] is not plain
+            if choice is None:  # `choose` searched below the walks of the graph it tried last
+                floor_peak = trajectory.peak(trajectory.smallest)
             floor_choice = trajectory.smallest
             floor_bytes = req.budget_for(floor_peak)
         planning_s = time.perf_counter() - t0
