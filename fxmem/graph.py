@@ -360,11 +360,19 @@ class JointGraph:
     @functools.cached_property
     def forward_last_reads(self) -> dict[int, int]:
         """Storage -> the last forward step that makes or reads it."""
+        return self.last_reads(self.forward_nodes)
+
+    def last_reads(self, order: list[int], start: int = 0) -> dict[int, int]:
+        """Storage -> the last step of `order`, from `start` on, that makes or reads it."""
+        storage, inputs = self.storage, self.inputs
         last: dict[int, int] = {}
-        for t, i in enumerate(self.forward_nodes):
-            for j in (i, *self.inputs[i]):
-                if self.storage[j] >= 0:
-                    last[self.storage[j]] = t
+        for t in range(start, len(order)):
+            i = order[t]
+            if storage[i] >= 0:
+                last[storage[i]] = t
+            for j in inputs[i]:
+                if storage[j] >= 0:
+                    last[storage[j]] = t
         return last
 
     @functools.cached_property

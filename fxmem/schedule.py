@@ -79,8 +79,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         seen = {root}
         if all(done[j] for j in inputs[root]):  # the common case: run it, then its joiners
             emit(root)
-            joiners = (u for u in users[root] if u in early or u in parts or u < first_bwd)  # see `extra`
-            ready = list(dict.fromkeys(u for u in joiners if extra(u) and all(done[j] for j in inputs[u])))
+            ready = list(dict.fromkeys(u for u in users[root] if extra(u) and all(done[j] for j in inputs[u])))
             if not ready:
                 return
             queued = {root, *ready}

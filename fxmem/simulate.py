@@ -74,17 +74,7 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
     # the backward is two allocations. The forward runs the same steps whatever is saved.
     last_f = dict(jg.forward_last_reads)
-    last_b: dict[int, int] = {}
-    inputs = jg.inputs
-    for t in range(boundary, len(order)):
-        i = order[t]
-        s = storage[i]
-        if s >= 0:
-            last_b[s] = t
-        for j in inputs[i]:
-            s = storage[j]
-            if s >= 0:
-                last_b[s] = t
+    last_b = jg.last_reads(order, boundary)
 
     # What a storage costs while alive: nothing if a fusing compiler never writes it out.
     held = saved_sids | pinned_end
