@@ -353,6 +353,12 @@ class JointGraph:
         return [i for i, k in enumerate(self.kind) if k == TANGENT]
 
     @functools.cached_property
+    def there_before_backward(self) -> list[bool]:
+        """Per node, whether the backward has it whatever is saved: inputs, gradients of the
+        outputs, and symbolic sizes the forward computes."""
+        return [k in (PRIMAL, TANGENT) or (k == FWD and self.is_sym[i]) for i, k in enumerate(self.kind)]
+
+    @functools.cached_property
     def primal_storages(self) -> frozenset[int]:
         """Storages of parameters, buffers and inputs."""
         return frozenset(self.storage[i] for i, k in enumerate(self.kind) if k == PRIMAL and self.storage[i] >= 0)
@@ -374,6 +380,38 @@ class JointGraph:
                 if storage[j] >= 0:
                     last[storage[j]] = t
         return last
+
+    @functools.cached_property
+    def call_outputs(self) -> dict[int, list[tuple[int, int]]]:
+        """Multi-output library calls -> (part, its storage) for each output part that holds a
+        storage the call does not read (see `schedule.outputs_made_at`)."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for i, s in enumerate(self.storage):
+            if s >= 0 or (self.fusible and self.fusible[i]):
+                continue
+            read = {self.storage[j] for j in self.inputs[i]}
+            parts = [(u, self.storage[u]) for u in self.users[i] if u in self.tuple_parts]
+            parts = [(u, su) for u, su in parts if su >= 0 and su not in read]
+            if parts:
+                out[i] = parts
+        return out
+
+    @functools.cached_property
+    def computed_in_readers(self) -> list[bool]:
+        """Per node: a value a fusing compiler computes again in each reader's kernel when it
+        is not stored (element-wise, a reduction only a concatenation reads, a matmul folded
+        into its reader's add), so its inputs live until its last reader (see
+        `simulate._extend_through_unstored`). Whether it is stored depends on the plan."""
+        if not self.fusible:
+            return [False] * len(self.nodes)
+        return [
+            s >= 0 and (self.inlinable[i] or (self.fusible[i] and self._only_concatenated(i)) or i in self.folded)
+            for i, s in enumerate(self.storage)
+        ]
+
+    def _only_concatenated(self, i: int) -> bool:
+        """Whether concatenations are all that read node `i`."""
+        return bool(self.users[i]) and all(kernels.op_name(self.nodes[u]) == "cat" for u in self.users[i])
 
     @functools.cached_property
     def tuple_parts(self) -> frozenset[int]:

@@ -3,8 +3,9 @@
 The solver walks one trajectory from "save everything the backward reads" (fastest) towards
 the smallest peak it can reach. Each step looks at the moment of the current peak, takes the
 saved storages alive then, and unsaves those that free the most bytes per second of added
-recomputation, re-simulating after each batch; a batch that raises the peak is undone. The
-trajectory is the menu: a budget takes the first (cheapest) state whose peak fits, then a
+recomputation, re-simulating after each batch; a batch that raises the peak is undone, and
+the walk goes on one move at a time until a move is taken (where one move raises the peak, the
+next batch, which would hold the next best moves, mostly does too). The trajectory is the menu: a budget takes the first (cheapest) state whose peak fits, then a
 polishing pass saves again whatever recomputation the budget still has room for. The lowest
 peak along the trajectory is the floor.
 
@@ -212,11 +213,11 @@ class Trajectory:
             tried += 1
             trial = choice.saved.copy()
             trial[i] = True
-            try:
-                tl = simulate(jg, trial)
+            try:  # None: over the limit
+                tl = simulate(jg, trial, above=limit_bytes)
             except InfeasibleSave:
                 continue
-            if max(tl.peak_bytes, self.floor_bytes) <= limit_bytes and tl.recompute_s < choice.timeline.recompute_s:
+            if tl is not None and tl.recompute_s < choice.timeline.recompute_s:
                 choice = Choice(trial, tl)
         return choice
 
@@ -343,18 +344,17 @@ def _walk(
             total += m.gain_bytes
             if total >= want:
                 break
-        try:
-            new_tl = simulate(jg, _apply(saved, batch))
+        try:  # None: the peak would rise
+            new_tl = simulate(jg, _apply(saved, batch), above=tl.peak_bytes)
         except InfeasibleSave:
             new_tl = None
-        if new_tl is not None and new_tl.peak_bytes <= tl.peak_bytes:
+        if new_tl is not None:
             saved, tl, single = _apply(saved, batch), new_tl, False
             kept |= {jg.storage[j] for m in batch if not m.unsave for j in m.also_save}
             tried |= {m.sid for m in batch if not m.unsave}
             states.append(Choice(saved, tl))
         elif len(batch) == 1:
             tried.add(batch[0].sid)
-            single = False
         else:
             single = True
     return states

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 
-from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
+from fxmem.graph import BWD, FWD, JointGraph
 
 __all__ = ["InfeasibleSave", "as_realized", "backward_order", "kernel_ends", "outputs_made_at"]
 
@@ -32,17 +32,19 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     """Backward schedule and the forward nodes it recomputes."""
     n = len(jg.nodes)
     kind, users, inputs = jg.kind, jg.users, jg.inputs
-    done = [k in (PRIMAL, TANGENT) or (k == FWD and (saved[i] or jg.is_sym[i])) for i, k in enumerate(kind)]
-    # Forward nodes the backward will need (so will recompute, if they are not saved).
-    needed = [False] * n
-    for i in range(n - 1, -1, -1):
-        if kind[i] == BWD:
-            needed[i] = True
-            continue
-        for u in users[i]:
-            if needed[u] and not done[u]:
-                needed[i] = True
-                break
+    done = jg.there_before_backward.copy()
+    for i in jg.forward_nodes:
+        if saved[i]:
+            done[i] = True
+    # Forward nodes the backward will need (so will recompute, if they are not saved). Nodes
+    # already there are never asked for: what they need is not either.
+    needed = [k == BWD for k in kind]
+    for i in reversed(jg.forward_nodes):
+        if not done[i]:
+            for u in users[i]:
+                if needed[u] and not done[u]:
+                    needed[i] = True
+                    break
     order: list[int] = []
     recomputed: list[int] = []
 
@@ -140,11 +142,13 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
     if not later:
         return order
     moved = {k for steps in later.values() for k in steps}
-    out: list[int] = []
-    for t, i in enumerate(order):
-        out.extend(order[k] for k in sorted(later.get(t, ())))
+    out = order[:start]
+    for t in range(start, len(order)):
+        steps = later.get(t)
+        if steps:
+            out.extend(order[k] for k in sorted(steps))
         if t not in moved:
-            out.append(i)
+            out.append(order[t])
     return out
 
 
@@ -152,15 +156,15 @@ def outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:
     """Step -> storages of the outputs a multi-output library call (attention, its backward)
     writes at that step: all of them, before it frees what it read, though the graph takes
     them out one `getitem` at a time afterwards."""
-    pos = {i: t for t, i in enumerate(order)}
+    calls = jg.call_outputs
+    if not calls:
+        return {}
+    parts = {u for made in calls.values() for u, _ in made}
+    last = {i: t for t, i in enumerate(order) if i in parts}  # a part's last step
     out: dict[int, list[int]] = {}
-    for t, i in enumerate(order):
-        if jg.storage[i] >= 0 or (jg.fusible and jg.fusible[i]):
-            continue
-        inputs = {jg.storage[j] for j in jg.inputs[i]}
-        for u in jg.users[i]:
-            s = jg.storage[u]
-            if u in jg.tuple_parts and s >= 0 and s not in inputs and pos.get(u, -1) > t:
+    for t, i in [(t, i) for t, i in enumerate(order) if i in calls]:
+        for u, s in calls[i]:
+            if last.get(u, -1) > t:
                 out.setdefault(t, []).append(s)
     return out
 

@@ -54,9 +54,13 @@ class Timeline:
     emitted: list[int] | None = None
 
 
-def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False) -> Timeline:
+def simulate(
+    jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_events: bool = False, above: int | None = None
+) -> Timeline | None:
     """Run the step on paper; `snapshot_at` records the storages alive at that step, with the
-    bytes each is charged (nothing for a value a fusing compiler never writes out)."""
+    bytes each is charged (nothing for a value a fusing compiler never writes out). With
+    `above`, None as soon as the bytes in use exceed it (the caller only wants a peak no
+    higher)."""
     events: list[tuple[int, int, int]] | None = [] if record_events else None
     fwd_order = jg.forward_nodes
     bwd_order, recomputed = backward_order(jg, saved)
@@ -174,6 +178,8 @@ def simulate(jg: JointGraph, saved: list[bool], snapshot_at: int = -1, record_ev
             snapshot = {s: charged[s] for s in alive}
         if cur + extra > peak:
             peak, peak_pos = cur + extra, t
+            if above is not None and peak > above:
+                return None
         for s in frees.get(t, ()):
             if s in alive:
                 alive.discard(s)
@@ -222,13 +228,11 @@ def _extend_through_unstored(
     a matmul folded into its reader's addmm, which runs where that add is (a tied LM head's
     weight gradient, added to the embedding's at the end of the backward, holds the logits'
     gradient and the head's input until then)."""
-    storage = jg.storage
-    for t in range(len(order) - 1, -1, -1):
+    storage, candidate = jg.storage, jg.computed_in_readers
+    for t in reversed([t for t, i in enumerate(order) if candidate[i]]):
         i = order[t]
         s = storage[i]
-        if s < 0 or cost[s] or (t >= boundary and i in rset and not inlined(i)):
-            continue
-        if not jg.inlinable[i] and not (jg.fusible[i] and _only_concatenated(jg, i)) and i not in jg.folded:
+        if cost[s] or (t >= boundary and i in rset and not inlined(i)):
             continue
         last = last_f if t < boundary else last_b
         until = last.get(s, t)
@@ -236,11 +240,6 @@ def _extend_through_unstored(
             sj = storage[j]
             if sj >= 0 and sj != s and last.get(sj, -1) < until:
                 last[sj] = until
-
-
-def _only_concatenated(jg: JointGraph, i: int) -> bool:
-    """Whether concatenations are all that read node `i`."""
-    return bool(jg.users[i]) and all(op_name(jg.nodes[u]) == "cat" for u in jg.users[i])
 
 
 def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool:

@@ -72,6 +72,21 @@ def test_planned_schedule_matches_emitted_graphs(monkeypatch, budget_gb):
         assert tl.recomputed
 
 
+def test_a_simulation_asked_for_a_peak_no_higher_ends_where_it_is_passed(monkeypatch):
+    """The planner's trials only ask whether the peak stays at or under the current one:
+    `above` ends the simulation as soon as the bytes in use pass it, and changes nothing else."""
+    seen = _capture_emits(monkeypatch)
+    model, batch = small_gpt()
+    step(fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch), *batch)
+    jg = seen[-1][0]
+    states = plan_trajectory(jg).states
+    assert len({c.timeline.peak_bytes for c in states}) > 2
+    for c in states:
+        peak = c.timeline.peak_bytes
+        assert simulate(jg, c.saved, above=peak) == c.timeline == simulate(jg, c.saved)
+        assert simulate(jg, c.saved, above=peak - 1) is None
+
+
 def jg_remap(jg):
     # storages merged by the clone cleanup are already merged in jg; read them back from it
     remap = {}
@@ -600,6 +615,7 @@ def test_a_library_call_writes_all_its_outputs_while_its_inputs_live():
         fusible=[],
         tuple_parts=frozenset(getitems),
     )  # fmt: skip
+    jg.call_outputs = JointGraph.call_outputs.func(jg)  # what a JointGraph keeps of its calls
     call = next(i for i, n in enumerate(nodes) if "flash" in str(n.target))
     made = outputs_made_at(jg, order)
     assert len(getitems) == 2 and sorted(made[call]) == getitems
