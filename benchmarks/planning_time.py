@@ -3,6 +3,7 @@ the benchmark models at one of their sizes.
 
     python benchmarks/planning_time.py [--layers 12]
     python benchmarks/planning_time.py --models gpt-dropout,hf-gpt2 [--size cuda]
+    python benchmarks/planning_time.py --zoo t5,beit [--compiler inductor]
 
 Prints the joint graph size and the seconds the planner took (plan.planning_s: building the
 graph arrays, the save/recompute trajectory with its simulations, and choosing and polishing).
@@ -10,6 +11,9 @@ With --models, each benchmark model (benchmarks/_models.py) is built at --size o
 CPU and planned for its floor with the default passes and with rematerialisation alone (the
 plan an impossible budget's BudgetError carries; nothing is compiled or run): the GPU sizes
 planned here are the graphs a GPU run plans, but for the passes that fire on the CPU only.
+With --zoo, each HF architecture of benchmarks/hf_zoo.py is planned for its floor under
+--compiler (default eager), as `hf_zoo.py --budget floor` does before it measures: the floor
+(the budget a plan at it asks for) and the seconds it took.
 """
 
 from __future__ import annotations
@@ -69,13 +73,37 @@ def _benchmark_models(names: list[str], size: str) -> None:
         del model, batch
 
 
+def _zoo(names: list[str], compiler: str) -> None:
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.hf_zoo import _models
+
+    zoo = _models()
+    for name in names:
+        torch.manual_seed(0)
+        model, batch = zoo[name]()
+        model.train()
+        torch._dynamo.reset()
+        try:
+            fxmem.optimize(model, 1e-6, example_inputs=batch, compiler=compiler)
+        except fxmem.BudgetError as e:
+            print(
+                f"[{name}] {compiler}: {e.plan.graph_nodes} joint nodes, planned in {e.plan.planning_s:.2f} s; "
+                f"floor {e.floor_bytes / 2**20:.2f} MiB",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--models", default=None, help="comma-separated benchmark models (benchmarks/_models.py)")
     ap.add_argument("--size", default="cuda", help="with --models: cpu, quick or cuda (default)")
+    ap.add_argument("--zoo", default=None, help="comma-separated HF architectures (benchmarks/hf_zoo.py)")
+    ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"), help="with --zoo")
     args = ap.parse_args()
-    if args.models:
+    if args.zoo:
+        _zoo(args.zoo.split(","), args.compiler)
+    elif args.models:
         _benchmark_models(args.models.split(","), args.size)
     else:
         _gpt(args.layers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -209,6 +210,15 @@ def test_planning_time_plans_benchmark_models_at_a_size():
     lines = [line for line in out.stdout.splitlines() if line.startswith("[gpt] quick size")]
     assert len(lines) == 2 and all("joint nodes, planned in" in line for line in lines), out.stdout
     assert "passes fired: swap_sdpa" in lines[0] and "passes fired: none" in lines[1]
+
+
+def test_planning_time_plans_hf_architectures_for_their_floor():
+    pytest.importorskip("transformers")
+    out = _run("planning_time.py", "--zoo", "bloom")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith("[bloom] eager:")]
+    floor = float(re.search(r"floor ([0-9.]+) MiB", line).group(1))
+    assert "joint nodes, planned in" in line and 0 < floor < 1000, line
 
 
 def test_cnn_floor_reports_each_model_and_compiler(capsys):
