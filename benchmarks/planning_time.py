@@ -46,9 +46,23 @@ def _gpt(layers: int) -> None:
         )
 
 
-def _benchmark_models(names: list[str], size: str) -> None:
+def _repository_root_on_path() -> None:
     # The repository root, for `benchmarks`, after the installed packages (see budget_check.py).
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _floor_error(model: torch.nn.Module, batch: object, **options: object) -> fxmem.BudgetError:
+    """The error a budget no plan reaches raises: it carries the floor and the plan at it."""
+    torch._dynamo.reset()
+    try:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, **options)
+    except fxmem.BudgetError as e:
+        return e
+    raise RuntimeError("a 1e-6 GiB budget was accepted")
+
+
+def _benchmark_models(names: list[str], size: str) -> None:
+    _repository_root_on_path()
     from benchmarks._models import MODELS
 
     for name in names:
@@ -58,23 +72,19 @@ def _benchmark_models(names: list[str], size: str) -> None:
         torch.manual_seed(0)
         model, batch = MODELS[name].sizes[size].build()
         for label, passes in (("default passes", None), ("remat only", ())):
-            torch._dynamo.reset()
-            try:
-                fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes)
-            except fxmem.BudgetError as e:
-                plan = e.plan
-                fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v) or "none"
-                print(
-                    f"[{name}] {size} size, {label}: {plan.graph_nodes} joint nodes, planned in "
-                    f"{plan.planning_s:.1f} s; floor {plan.floor_bytes / 2**20:.1f} MiB, unconstrained "
-                    f"{plan.unconstrained_peak_bytes / 2**20:.1f} MiB; passes fired: {fired}",
-                    flush=True,
-                )
+            plan = _floor_error(model, batch, passes=passes).plan
+            fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v) or "none"
+            print(
+                f"[{name}] {size} size, {label}: {plan.graph_nodes} joint nodes, planned in "
+                f"{plan.planning_s:.1f} s; floor {plan.floor_bytes / 2**20:.1f} MiB, unconstrained "
+                f"{plan.unconstrained_peak_bytes / 2**20:.1f} MiB; passes fired: {fired}",
+                flush=True,
+            )
         del model, batch
 
 
 def _zoo(names: list[str], compiler: str) -> None:
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _repository_root_on_path()
     from benchmarks.hf_zoo import _models
 
     zoo = _models()
@@ -82,15 +92,12 @@ def _zoo(names: list[str], compiler: str) -> None:
         torch.manual_seed(0)
         model, batch = zoo[name]()
         model.train()
-        torch._dynamo.reset()
-        try:
-            fxmem.optimize(model, 1e-6, example_inputs=batch, compiler=compiler)
-        except fxmem.BudgetError as e:
-            print(
-                f"[{name}] {compiler}: {e.plan.graph_nodes} joint nodes, planned in {e.plan.planning_s:.2f} s; "
-                f"floor {e.floor_bytes / 2**20:.2f} MiB",
-                flush=True,
-            )
+        e = _floor_error(model, batch, compiler=compiler)
+        print(
+            f"[{name}] {compiler}: {e.plan.graph_nodes} joint nodes, planned in {e.plan.planning_s:.2f} s; "
+            f"floor {e.floor_bytes / 2**20:.2f} MiB",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -5,9 +5,10 @@ the smallest peak it can reach. Each step looks at the moment of the current pea
 saved storages alive then, and unsaves those that free the most bytes per second of added
 recomputation, re-simulating after each batch; a batch that raises the peak is undone, and
 the walk goes on one move at a time until a move is taken (where one move raises the peak, the
-next batch, which would hold the next best moves, mostly does too). The trajectory is the menu: a budget takes the first (cheapest) state whose peak fits, then a
-polishing pass saves again whatever recomputation the budget still has room for. The lowest
-peak along the trajectory is the floor.
+next batch, which would hold the next best moves, mostly does too). The trajectory is the
+menu: a budget takes the first (cheapest) state whose peak fits, then a polishing pass saves
+again whatever recomputation the budget still has room for. The lowest peak along the
+trajectory is the floor.
 
 A walk ends where no single move lowers the peak, which is not always the lowest peak there
 is: a value recomputed early in the backward (a residual, rebuilt for an MLP's backward from
