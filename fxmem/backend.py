@@ -28,8 +28,8 @@ from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
-from fxmem.graph import source_line
 from fxmem.measure import live_storage_bytes
+from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import with_output_hooks

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import kernels
-from fxmem.graph import aliased_input
+from fxmem.nodes import aliased_input
 
 __all__ = [
     "LAID_STRIDE",

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.graph import _is_random
+from fxmem.nodes import _is_random
 
 __all__ = ["BufferCheck", "capture_inputs", "checked", "fold", "register_check"]
 

@@ -20,7 +20,8 @@ import hashlib
 import torch
 
 from fxmem.errors import PlanMismatchError
-from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph, module_path, source_line
+from fxmem.graph import BWD, FWD, PRIMAL, TANGENT, JointGraph
+from fxmem.nodes import module_path, source_line
 from fxmem.plan import Plan
 from fxmem.planner import Choice, Trajectory
 from fxmem.schedule import InfeasibleSave

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fxmem.graph import BWD, JointGraph, transient_bytes
+from fxmem.graph import BWD, JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
+from fxmem.nodes import transient_bytes
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 

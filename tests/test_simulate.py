@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition
-from fxmem.graph import JointGraph, _is_impure, _is_random, aliased_input
+from fxmem.graph import JointGraph
 from fxmem.kernels import (
     is_inlinable,
     kernel_ops,
@@ -25,6 +25,7 @@ from fxmem.kernels import (
     store_reused,
     stored_on_reuse,
 )
+from fxmem.nodes import _is_impure, _is_random, aliased_input
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import _probe_arguments, workspace_bytes

@@ -1,0 +1,100 @@
+"""What one node of an aten graph is, read from its op and its meta: whether running it again
+gives the same values, whether it changes state, which input a view aliases, what it allocates
+inside itself, and where in the user's code it came from."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxmem.cost import tensor_bytes
+
+__all__ = ["aliased_input", "module_path", "source_line", "transient_bytes"]
+
+# Ops that must run exactly once: their values cannot be reproduced by running them again.
+_RANDOM_TAG = torch.Tag.nondeterministic_seeded
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    if _RANDOM_TAG in tags:
+        return not _dropout_off(node)
+    name = str(target)
+    # inductor's seed generator draws from the global generator; inductor_random given a
+    # seed is a pure function of it and may be recomputed.
+    return "inductor_seeds" in name
+
+
+def _dropout_off(node: fx.Node) -> bool:
+    """A seeded op whose only randomness is a `dropout_p` argument, called with 0 (attention
+    without dropout): its outputs are a pure function of its inputs."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for pos, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[pos] if pos < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
+
+
+def _is_impure(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    # fx counts seeded ops as impure; their randomness is `_is_random`'s to judge.
+    seeded = _RANDOM_TAG in getattr(node.target, "tags", ())
+    return node.op == "call_function" and node.is_impure() and not seeded
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted path of the innermost user module the node came from ('' if unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L__self___", "")
+
+
+def source_line(node: fx.Node) -> str:
+    """'file:line' of the user code that produced the node, from its stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return ""
+    last = lines[-1]  # innermost frame: 'File "x.py", line 12, in forward'
+    try:
+        fname = last.split('"')[1]
+        lineno = last.split("line ")[1].split(",")[0]
+        return f"{fname}:{lineno}"
+    except IndexError:
+        return last
+
+
+# aten ops, run one by one, that allocate a temporary inside themselves (measured with the
+# profiler's allocator events): dropout's backward multiplies by the mask into one buffer and
+# scales into another; logsumexp writes exp(x - max) at the input's size before summing.
+_TRANSIENT = {
+    "aten.native_dropout_backward.default": lambda n: tensor_bytes(n.meta.get("val")),
+    "aten.logsumexp.default": lambda n: tensor_bytes(n.args[0].meta.get("val")),
+}
+
+
+def transient_bytes(node: fx.Node) -> int:
+    rule = _TRANSIENT.get(str(node.target)) if node.op == "call_function" else None
+    return rule(node) if rule is not None else 0
+
+
+def aliased_input(node: fx.Node) -> fx.Node | None:
+    """The input a view op's output aliases (None for ops that return new memory)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return None
+    ret = schema.returns[0].alias_info
+    if ret is None or ret.is_write:
+        return None
+    for arg, value in zip(schema.arguments, node.args, strict=False):
+        if arg.alias_info is not None and arg.alias_info.before_set == ret.before_set:
+            return value if isinstance(value, fx.Node) else None
+    return None
