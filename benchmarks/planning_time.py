@@ -65,6 +65,9 @@ def _benchmark_models(names: list[str], size: str) -> None:
     _repository_root_on_path()
     from benchmarks._models import MODELS
 
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: no model {', '.join(unknown)} (have: {', '.join(MODELS)})")
     for name in names:
         if size not in MODELS[name].sizes:
             print(f"[{name}] has no {size!r} size")
@@ -88,6 +91,9 @@ def _zoo(names: list[str], compiler: str) -> None:
     from benchmarks.hf_zoo import _models
 
     zoo = _models()
+    unknown = [name for name in names if name not in zoo]
+    if unknown:
+        raise SystemExit(f"--zoo: no architecture {', '.join(unknown)} (have: {', '.join(zoo)})")
     for name in names:
         torch.manual_seed(0)
         model, batch = zoo[name]()
