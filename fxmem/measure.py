@@ -9,11 +9,14 @@ gradients, optimizer state, saved activations and temporaries.
   plus the highest running total (floored at 0) of the allocator events the
   torch profiler records with ``profile_memory=True``, compiled code included.
   Each free is matched to its block by address: frees of blocks alive at entry
-  lower the total, frees of blocks the entry scan never saw are ignored. torch
-  reports a CPU free only if the block was allocated while memory profiling was
-  on; when an entry tensor freed during the call has no such event, the peak is
-  an upper bound and a warning says by how much. Tensors allocated inside an
-  earlier ``measure`` call (e.g. a warm-up step) are always exact.
+  lower the total by the bytes the entry scan counted, frees of blocks it never
+  saw are ignored. torch reports a CPU free only if its allocator made the block
+  while memory profiling was on, or an earlier block at the same address whose
+  free it missed (never for memory it did not allocate: ``torch.frombuffer``,
+  ``torch.from_numpy``); when an entry tensor freed during the call has no such
+  event, the peak is an upper bound and a warning says by how much. Tensors
+  allocated inside an earlier ``measure`` call (e.g. a warm-up step) are always
+  exact.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,14 +162,16 @@ def _allocation_events(result: Any, device: torch.device = _CPU) -> list[tuple[i
 
 
 def _running_totals(
-    events: list[tuple[int, int, int]], entry: Collection[int], freed: set[int]
+    events: list[tuple[int, int, int]], entry: Mapping[int, int], freed: set[int]
 ) -> Iterator[tuple[int, dict[int, int]]]:
     """After each allocator event: the bytes allocated since the start less those freed, and
     the blocks allocated since the start that are alive (pointer -> bytes; updated in place).
 
-    A free counts only for a block allocated earlier in the call or alive at entry (once:
-    `freed` collects the entry pointers seen freed); frees of blocks that entry never counted
-    are ignored.
+    `entry`: pointer -> bytes of the blocks alive at the start. A free counts only for a block
+    allocated earlier in the call or alive at entry (once: `freed` collects the entry pointers
+    seen freed), by the bytes that block was counted with: the size a free event carries is
+    the allocator's record for that address, which may be left from an earlier block there.
+    Frees of blocks that entry never counted are ignored.
     """
     live: dict[int, int] = {}
     running = 0
@@ -178,18 +183,34 @@ def _running_totals(
             running -= live.pop(ptr)
         elif ptr in entry and ptr not in freed:
             freed.add(ptr)
-            running += nbytes
+            running -= entry[ptr]
         yield running, live
 
 
-def _peak_rise(events: list[tuple[int, int, int]], entry: Collection[int]) -> tuple[int, set[int]]:
+def _peak_rise(events: list[tuple[int, int, int]], entry: Mapping[int, int]) -> tuple[int, set[int]]:
     """Highest running total (floored at 0) and the entry pointers seen freed."""
     freed: set[int] = set()
     peak = max((running for running, _ in _running_totals(events, entry, freed)), default=0)
     return max(peak, 0), freed
 
 
-def _measure_cpu(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Measurement:
+@dataclass(frozen=True)
+class _CpuCall:
+    """One call of fn under the memory profiler, counted by the rule of the module docstring."""
+
+    entry_bytes: int
+    totals: list[int]  # the running total after each allocator event
+    seconds: float
+    result: Any
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.entry_bytes + max([0, *self.totals])
+
+
+def _profiled_cpu_call(fn: Callable[..., Any], args: tuple, kwargs: dict, stacklevel: int) -> _CpuCall:
+    """Run fn under the memory profiler; warn (at `stacklevel`, counted from here) when entry
+    tensors were freed unseen."""
     if torch.autograd._profiler_enabled():
         raise RuntimeError(
             "fxmem.measure on CPU needs the torch profiler, but one is already "
@@ -200,19 +221,26 @@ def _measure_cpu(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Measureme
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
-    rise, freed = _peak_rise(_allocation_events(prof.profiler.kineto_results), entry)
+    sizes = {p: n for p, (n, _) in entry.items()}
+    freed: set[int] = set()
+    events = _allocation_events(prof.profiler.kineto_results)
+    totals = [running for running, _ in _running_totals(events, sizes, freed)]
     unseen = sum(n for p, (n, ref) in entry.items() if p not in freed and ref.expired())
     if unseen:
         warnings.warn(
             f"fxmem.measure: {unseen / _MIB:.1f} MiB of tensors alive at entry were "
             "freed during the call without a profiler free event (torch reports CPU "
-            "frees only for blocks allocated while memory profiling was on), so the "
-            "peak may be overstated by up to that much; allocate them inside an "
+            "frees only for blocks its allocator made while memory profiling was on), "
+            "so the peak may be overstated by up to that much; allocate them inside an "
             "earlier measure() call (e.g. a warm-up step) to make it exact",
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
-    entry_bytes = sum(n for n, _ in entry.values())
-    return Measurement(entry_bytes + rise, entry_bytes, seconds, _CPU, result)
+    return _CpuCall(sum(sizes.values()), totals, seconds, result)
+
+
+def _measure_cpu(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Measurement:
+    call = _profiled_cpu_call(fn, args, kwargs, stacklevel=4)
+    return Measurement(call.peak_bytes, call.entry_bytes, call.seconds, _CPU, call.result)
 
 
 def _measure_cuda(fn: Callable[..., Any], args: tuple, kwargs: dict, device: torch.device) -> Measurement:

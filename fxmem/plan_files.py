@@ -19,7 +19,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -208,21 +207,12 @@ def measure_plan(plan: Plan, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
         result = m.measure(fn, *args, **kwargs)
         plan.measured = {"peak_bytes": int(result.peak_bytes), "curve": []}
         return result
-    entry = m._entry_storages()
-    with m.profile(activities=[m.ProfilerActivity.CPU], profile_memory=True) as prof:
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        seconds = time.perf_counter() - start
-    events = m._allocation_events(prof.profiler.kineto_results)
-    entry_bytes = sum(n for n, _ in entry.values())
-    # measure's bookkeeping, read after every event
-    totals = [running for running, _ in m._running_totals(events, entry, set())]
-    rise = max([0, *totals])
-    curve = [entry_bytes + max(running, 0) for running in totals]
+    call = m._profiled_cpu_call(fn, args, kwargs, stacklevel=3)
+    curve = [call.entry_bytes + max(running, 0) for running in call.totals]
     stride = max(1, len(curve) // _CURVE_POINTS)
     curve = [max(curve[i : i + stride]) for i in range(0, len(curve), stride)]
-    plan.measured = {"peak_bytes": entry_bytes + rise, "curve": curve}
-    return m.Measurement(entry_bytes + rise, entry_bytes, seconds, m._CPU, out)
+    plan.measured = {"peak_bytes": call.peak_bytes, "curve": curve}
+    return m.Measurement(call.peak_bytes, call.entry_bytes, call.seconds, m._CPU, call.result)
 
 
 # -- memory_snapshot.pickle ---------------------------------------------------------------------
