@@ -6,7 +6,8 @@ saved storages alive then, and unsaves those that free the most bytes per second
 recomputation, re-simulating after each batch; a batch that raises the peak is undone, and
 the walk goes on one move at a time until a move is taken (where one move raises the peak, the
 next batch, which would hold the next best moves, mostly does too). The trajectory is the
-menu: a budget takes the first (cheapest) state whose peak fits, then a polishing pass saves
+menu: a budget takes the cheapest state whose peak fits, or what a short walk from the states
+just above its limit reaches where that recomputes less (`_fit`); then a polishing pass saves
 again whatever recomputation the budget still has room for. The lowest peak along the
 trajectory is the floor.
 
@@ -40,6 +41,10 @@ _RETRIES = 2  # walks on after moves refused before were allowed again
 # but no more than this many nodes' worth of simulation in all (a 7,000-node graph: 285 times)
 _KICK_SIMULATIONS = 50
 _KICK_NODE_STEPS = 2_000_000
+# `_fit` walks from the states over a budget's limit closest to it, this many, for at most
+# this many simulations in all (and no more than `_KICK_NODE_STEPS` nodes' worth)
+_FIT_STARTS = 3
+_FIT_SIMULATIONS = 40
 
 
 @dataclass
@@ -198,7 +203,19 @@ class Trajectory:
         if not fitting:
             return None
         best = min(fitting, key=lambda c: c.timeline.recompute_s)
-        return self._polish(best, limit_bytes)
+        effort = _Effort(limit=min(_FIT_SIMULATIONS, _KICK_NODE_STEPS // max(1, len(self.jg.nodes))))
+        starts = self._fit_starts(limit_bytes, best)
+        fitted = [c for c in (_fit(self.jg, s, limit_bytes, effort) for s in starts) if c is not None]
+        # Polishing is greedy: from less recomputation it can end with more, so both are polished.
+        candidates = [best] + [min(fitted, key=lambda c: c.timeline.recompute_s)] if fitted else [best]
+        return min((self._polish(c, limit_bytes) for c in candidates), key=lambda c: c.timeline.recompute_s)
+
+    def _fit_starts(self, limit_bytes: int, best: Choice) -> list[Choice]:
+        """The states over the limit closest to it that recompute less than `best` does."""
+        over = [
+            c for c in self.states if self.peak(c) > limit_bytes and c.timeline.recompute_s < best.timeline.recompute_s
+        ]
+        return sorted(over, key=lambda c: c.timeline.peak_bytes)[:_FIT_STARTS]
 
     def _polish(self, choice: Choice, limit_bytes: int) -> Choice:
         """Save again the costliest recomputed values while the peak stays within the limit."""
@@ -221,6 +238,39 @@ class Trajectory:
             if tl is not None and tl.recompute_s < choice.timeline.recompute_s:
                 choice = Choice(trial, tl)
         return choice
+
+
+def _fit(jg: JointGraph, start: Choice, limit_bytes: int, effort: _Effort) -> Choice | None:
+    """A state within the limit walked to from `start`, a state over it: each move is the
+    cheapest to recompute of those that free at least the excess at the peak, or else the
+    one that frees the most bytes per second. None if the walk ends over the limit.
+
+    The walks' states step down by batches of moves (4% of the peak at a time, or a whole
+    block's largest value), so the cheapest state within a limit can be far below it and
+    recompute more than the budget asks; walking from a state just above the limit frees
+    only what the limit needs."""
+    saved, tl = start.saved, start.timeline
+    tried: set[int] = set()
+    kept: set[int] = set()  # storages saved by a _save_instead move
+    while tl.peak_bytes > limit_bytes:
+        excess = tl.peak_bytes - limit_bytes
+        moves = _moves(jg, saved, tl, tried | kept) + _save_instead(jg, tl, saved, tried)
+        if not moves or not effort.spend():
+            return None
+        move = min(moves, key=lambda m: (0, m.cost_s, m.sid) if m.gain_bytes >= excess else (1, -m.score, m.sid))
+        trial = _apply(saved, [move])
+        try:  # None: the peak would rise
+            new_tl = simulate(jg, trial, above=tl.peak_bytes)
+        except InfeasibleSave:
+            new_tl = None
+        if new_tl is None:
+            tried.add(move.sid)
+            continue
+        saved, tl = trial, new_tl
+        if not move.unsave:
+            tried.add(move.sid)
+            kept |= {jg.storage[j] for j in move.also_save}
+    return Choice(saved, tl)
 
 
 def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:

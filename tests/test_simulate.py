@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 from types import SimpleNamespace
@@ -10,13 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_same_step, dropout_blocks_runs, small_gpt, step
+from conftest import assert_same_step, dropout_blocks_runs, grads_of, max_rel_err, small_gpt, step
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxmem
 from fxmem import _torch_private as tp
-from fxmem import cost, partition
+from fxmem import cost, partition, planner
 from fxmem.graph import JointGraph
 from fxmem.kernels import (
     is_inlinable,
@@ -191,6 +192,66 @@ def test_inductor_prediction_matches_measured_peak(monkeypatch):
         base = aliased_input(node) if node.op == "call_function" else None
         if base is not None and jg.storage[i] >= 0 and jg.storage[jg.index[base]] >= 0:
             assert jg.storage[i] == jg.storage[jg.index[base]], node.name
+
+
+def _cheapest_state_polished(trajectory, limit):
+    """What a budget took before `_fit`: the walks' cheapest state within it, polished."""
+    fitting = [c for c in trajectory.states if trajectory.peak(c) <= limit]
+    return trajectory._polish(min(fitting, key=lambda c: c.timeline.recompute_s), limit)
+
+
+def test_a_budget_between_the_walks_states_takes_a_walk_from_the_state_above_it(monkeypatch):
+    """The walks step down by batches of moves, so the cheapest state within a limit can lie
+    well under it; a short walk from a state above the limit often fits it recomputing less,
+    and the choice is never costlier than that state polished."""
+    seen = _capture_emits(monkeypatch)
+    model, batch = small_gpt()
+    step(fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch), *batch)
+    jg = seen[-1][0]
+    trajectory = plan_trajectory(jg)
+    lo, hi = trajectory.peak(trajectory.smallest), trajectory.peak(trajectory.unconstrained)
+    cheaper = 0
+    for k in range(1, 20):
+        limit = lo + (hi - lo) * k // 20
+        chosen = trajectory.choose(limit)
+        assert chosen.timeline.peak_bytes <= limit
+        assert simulate(jg, chosen.saved) == chosen.timeline
+        before = _cheapest_state_polished(trajectory, limit).timeline.recompute_s
+        assert chosen.timeline.recompute_s <= before
+        cheaper += chosen.timeline.recompute_s < before
+    assert cheaper >= 2
+
+
+def test_a_plan_walked_to_its_budget_trains_as_eager_does(monkeypatch):
+    chose_walked = []
+    choose = planner.Trajectory.choose
+
+    def spy(self, limit):
+        chosen = choose(self, limit)
+        if chosen is not None and any(self.peak(c) <= limit for c in self.states):
+            before = _cheapest_state_polished(self, limit).timeline.recompute_s
+            chose_walked.append(chosen.timeline.recompute_s < before)
+        return chosen
+
+    monkeypatch.setattr(planner.Trajectory, "choose", spy)
+    model, batch = small_gpt()
+    reference = copy.deepcopy(model)
+    step(reference, *batch)
+    trained = copy.deepcopy(model)
+    lo = _floor_gb(trained, batch) * 2**30
+    hi = fxmem.optimize(trained, 64.0, compiler="eager", example_inputs=batch).plan.predicted_peak_bytes
+    for k in range(2, 10):
+        chose_walked.clear()
+        trained.zero_grad(set_to_none=True)
+        stepped = fxmem.optimize(trained, (lo + (hi - lo) * k / 10) / 2**30, compiler="eager")
+        step(stepped, *batch)
+        plan = stepped.plan
+        del stepped
+        if any(chose_walked):
+            break
+    assert any(chose_walked), "no budget took a walked plan"
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert max_rel_err(grads_of(trained), grads_of(reference)) < 1e-4
 
 
 def test_plans_are_deterministic_across_processes(monkeypatch, tmp_path):
