@@ -301,14 +301,33 @@ class _Breaks(nn.Module):
         return h.square().mean()
 
 
-def test_graph_break_is_a_clear_error_and_leaves_model_untouched():
-    model, x = _Breaks(), torch.randn(4, 8)
+def _refused_and_untouched(model: nn.Module, x: torch.Tensor, match: str) -> None:
+    """The first call raises GraphBreakError matching `match`; the model is as it was."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     m = fxmem.optimize(model, 1.0, compiler="eager")
-    with pytest.raises(fxmem.GraphBreakError, match="one graph"):
+    with pytest.raises(fxmem.GraphBreakError, match=match):
         m(x)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_graph_break_is_a_clear_error_and_leaves_model_untouched():
+    _refused_and_untouched(_Breaks(), torch.randn(4, 8), "one graph")
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1]).square().mean()
+
+
+def test_a_recurrent_module_is_refused_by_name_and_left_untouched():
+    _refused_and_untouched(_Recurrent(), torch.randn(2, 5, 8), "LSTM")
 
 
 def test_shapes_past_the_recompile_limit_are_a_clear_error():
