@@ -4,6 +4,7 @@ the benchmark models at one of their sizes.
     python benchmarks/planning_time.py [--layers 12]
     python benchmarks/planning_time.py --models gpt-dropout,hf-gpt2 [--size cuda]
     python benchmarks/planning_time.py --zoo t5,beit [--compiler inductor]
+    python benchmarks/planning_time.py --models vit --size cpu --budgets 10 [--compiler inductor]
 
 Prints the joint graph size and the seconds the planner took (plan.planning_s: building the
 graph arrays, the save/recompute trajectory with its simulations, and choosing and polishing).
@@ -25,6 +26,7 @@ import sys
 import torch
 
 import fxmem
+from fxmem.partition import PlanRequest
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 
@@ -65,10 +67,7 @@ def _benchmark_models(names: list[str], size: str) -> None:
     _repository_root_on_path()
     from benchmarks._models import MODELS
 
-    unknown = [name for name in names if name not in MODELS]
-    if unknown:
-        raise SystemExit(f"--models: no model {', '.join(unknown)} (have: {', '.join(MODELS)})")
-    for name in names:
+    for name in _known(names, MODELS, "--models"):
         if size not in MODELS[name].sizes:
             print(f"[{name}] has no {size!r} size")
             continue
@@ -86,15 +85,46 @@ def _benchmark_models(names: list[str], size: str) -> None:
         del model, batch
 
 
+def _budgets(names: list[str], size: str, steps: int, compiler: str) -> None:
+    """Each model planned at `steps - 1` budgets evenly between its floor and its unconstrained
+    peak (default passes): the peak each plan predicts and the time it adds, as it estimates."""
+    _repository_root_on_path()
+    from benchmarks._models import MODELS
+
+    for name in _known(names, MODELS, "--models"):
+        torch.manual_seed(0)
+        model, batch = MODELS[name].sizes[size].build()
+        floor = _floor_error(model, batch, compiler=compiler).floor_bytes
+        torch._dynamo.reset()
+        unconstrained = fxmem.optimize(model, 64.0, example_inputs=batch, compiler=compiler).plan
+        # the budget that plan asks for: its peak and the default head-room
+        top = (unconstrained.predicted_peak_bytes + PlanRequest.margin_bytes) / (1 - PlanRequest.margin_fraction)
+        for k in range(1, steps):
+            budget = floor + (top - floor) * k / steps
+            torch._dynamo.reset()
+            plan = fxmem.optimize(model, (budget + 0.5) / 2**30, example_inputs=batch, compiler=compiler).plan
+            print(
+                f"[{name}] {size} size, {compiler}, budget {budget / 2**20:.2f} MiB: predicted "
+                f"{plan.predicted_peak_bytes / 2**20:.2f} MiB, estimated added time "
+                f"{plan.added_time_s * 1e3:.2f} ms, planned in {plan.planning_s:.2f} s",
+                flush=True,
+            )
+
+
+def _known(names: list[str], known: dict, flag: str) -> list[str]:
+    """`names`, once each is one of `known`; else exit naming the ones there are."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: no {', '.join(unknown)} (have: {', '.join(known)})")
+    return names
+
+
 def _zoo(names: list[str], compiler: str) -> None:
     _repository_root_on_path()
     from benchmarks.hf_zoo import _models
 
     zoo = _models()
-    unknown = [name for name in names if name not in zoo]
-    if unknown:
-        raise SystemExit(f"--zoo: no architecture {', '.join(unknown)} (have: {', '.join(zoo)})")
-    for name in names:
+    for name in _known(names, zoo, "--zoo"):
         torch.manual_seed(0)
         model, batch = zoo[name]()
         model.train()
@@ -112,9 +142,20 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="comma-separated benchmark models (benchmarks/_models.py)")
     ap.add_argument("--size", default="cuda", help="with --models: cpu, quick or cuda (default)")
     ap.add_argument("--zoo", default=None, help="comma-separated HF architectures (benchmarks/hf_zoo.py)")
-    ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"), help="with --zoo")
+    ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"), help="with --zoo or --budgets")
+    ap.add_argument(
+        "--budgets",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --models: plan at N-1 budgets evenly between floor and unconstrained (default passes)",
+    )
     args = ap.parse_args()
-    if args.zoo:
+    if args.budgets and not args.models:
+        ap.error("--budgets needs --models")
+    if args.budgets:
+        _budgets(args.models.split(","), args.size, args.budgets, args.compiler)
+    elif args.zoo:
         _zoo(args.zoo.split(","), args.compiler)
     elif args.models:
         _benchmark_models(args.models.split(","), args.size)

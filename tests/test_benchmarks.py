@@ -212,6 +212,16 @@ def test_planning_time_plans_benchmark_models_at_a_size():
     assert "passes fired: swap_sdpa" in lines[0] and "passes fired: none" in lines[1]
 
 
+def test_planning_time_plans_a_model_at_budgets_between_its_floor_and_unconstrained():
+    out = _run("planning_time.py", "--models", "gpt", "--size", "quick", "--budgets", "3")
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = re.findall(r"budget ([0-9.]+) MiB: predicted ([0-9.]+) MiB, estimated added time ([0-9.]+) ms", out.stdout)
+    assert len(found) == 2, out.stdout
+    (b1, p1, t1), (b2, p2, t2) = ((float(x) for x in row) for row in found)
+    assert b1 < b2 and p1 <= b1 and p2 <= b2, out.stdout
+    assert t1 >= t2, out.stdout  # the tighter budget recomputes more here
+
+
 def test_planning_time_plans_hf_architectures_for_their_floor():
     pytest.importorskip("transformers")
     out = _run("planning_time.py", "--zoo", "bloom")
