@@ -26,7 +26,7 @@ import sys
 import torch
 
 import fxmem
-from fxmem.partition import PlanRequest
+from fxmem.partition import budget_for
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 
@@ -97,8 +97,7 @@ def _budgets(names: list[str], size: str, steps: int, compiler: str) -> None:
         floor = _floor_error(model, batch, compiler=compiler).floor_bytes
         torch._dynamo.reset()
         unconstrained = fxmem.optimize(model, 64.0, example_inputs=batch, compiler=compiler).plan
-        # the budget that plan asks for: its peak and the default head-room
-        top = (unconstrained.predicted_peak_bytes + PlanRequest.margin_bytes) / (1 - PlanRequest.margin_fraction)
+        top = budget_for(unconstrained.predicted_peak_bytes)  # the budget that plan asks for
         for k in range(1, steps):
             budget = floor + (top - floor) * k / steps
             torch._dynamo.reset()

@@ -60,6 +60,18 @@ _SECOND_MIN_SHARE = 64
 # A second recomputation is planned only when it lowers the floor by this share at least: it
 # runs whole attentions again, for the memory the residuals they rebuild take.
 _SECOND_MIN_GAIN = 0.04
+# Head-room kept between the predicted peak and the budget, by default: a share of the budget
+# and a fixed amount.
+_MARGIN_FRACTION = 0.03
+_MARGIN_BYTES = 2 * 2**20
+
+
+def budget_for(
+    predicted_bytes: int, margin_bytes: int = _MARGIN_BYTES, margin_fraction: float = _MARGIN_FRACTION
+) -> int:
+    """The smallest budget whose limit, less the head-room, admits a predicted peak of
+    `predicted_bytes` (what is reserved and the simulated peak together)."""
+    return int((predicted_bytes + margin_bytes) / (1.0 - margin_fraction)) + 1
 
 
 @dataclass
@@ -72,8 +84,8 @@ class PlanRequest:
     optimizer_bytes: int = 0  # optimizer state not yet allocated
     optimizer_step_bytes: int = 0  # temporaries of the optimizer step, beside all gradients
     compiler: str = "inductor"
-    margin_fraction: float = 0.03
-    margin_bytes: int = 2 * 2**20
+    margin_fraction: float = _MARGIN_FRACTION
+    margin_bytes: int = _MARGIN_BYTES
     rewrites: dict[str, int] = field(default_factory=dict)
     batch_slices: int = 1  # slices of the batch the sliced blocks run over
     on_plan: Callable[[Plan], None] | None = None
@@ -85,8 +97,7 @@ class PlanRequest:
 
     def budget_for(self, peak_bytes: int) -> int:
         """The smallest budget whose limit admits a simulated peak of `peak_bytes`."""
-        need = self.reserved_bytes() + peak_bytes + self.margin_bytes
-        return int(need / (1.0 - self.margin_fraction)) + 1
+        return budget_for(self.reserved_bytes() + peak_bytes, self.margin_bytes, self.margin_fraction)
 
     def margin(self) -> int:
         """Head-room kept between the predicted peak and the budget."""

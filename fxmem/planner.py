@@ -203,11 +203,12 @@ class Trajectory:
         if not fitting:
             return None
         best = min(fitting, key=lambda c: c.timeline.recompute_s)
-        effort = _Effort(limit=min(_FIT_SIMULATIONS, _KICK_NODE_STEPS // max(1, len(self.jg.nodes))))
+        effort = _Effort(limit=_capped(self.jg, _FIT_SIMULATIONS))
         starts = self._fit_starts(limit_bytes, best)
         fitted = [c for c in (_fit(self.jg, s, limit_bytes, effort) for s in starts) if c is not None]
-        # Polishing is greedy: from less recomputation it can end with more, so both are polished.
-        candidates = [best] + [min(fitted, key=lambda c: c.timeline.recompute_s)] if fitted else [best]
+        candidates = [best]
+        if fitted:  # polishing is greedy: from less recomputation it can end with more, so both
+            candidates.append(min(fitted, key=lambda c: c.timeline.recompute_s))
         return min((self._polish(c, limit_bytes) for c in candidates), key=lambda c: c.timeline.recompute_s)
 
     def _fit_starts(self, limit_bytes: int, best: Choice) -> list[Choice]:
@@ -231,13 +232,24 @@ class Trajectory:
             tried += 1
             trial = choice.saved.copy()
             trial[i] = True
-            try:  # None: over the limit
-                tl = simulate(jg, trial, above=limit_bytes)
-            except InfeasibleSave:
-                continue
+            tl = _trial(jg, trial, limit_bytes)
             if tl is not None and tl.recompute_s < choice.timeline.recompute_s:
                 choice = Choice(trial, tl)
         return choice
+
+
+def _trial(jg: JointGraph, saved: list[bool], above: int) -> Timeline | None:
+    """The timeline of `saved`, or None if its peak passes `above` or the backward cannot be
+    scheduled with those values saved."""
+    try:
+        return simulate(jg, saved, above=above)
+    except InfeasibleSave:
+        return None
+
+
+def _capped(jg: JointGraph, simulations: int) -> int:
+    """`simulations`, or fewer on a graph where that many would pass `_KICK_NODE_STEPS`."""
+    return min(simulations, _KICK_NODE_STEPS // max(1, len(jg.nodes)))
 
 
 def _fit(jg: JointGraph, start: Choice, limit_bytes: int, effort: _Effort) -> Choice | None:
@@ -259,10 +271,7 @@ def _fit(jg: JointGraph, start: Choice, limit_bytes: int, effort: _Effort) -> Ch
             return None
         move = min(moves, key=lambda m: (0, m.cost_s, m.sid) if m.gain_bytes >= excess else (1, -m.score, m.sid))
         trial = _apply(saved, [move])
-        try:  # None: the peak would rise
-            new_tl = simulate(jg, trial, above=tl.peak_bytes)
-        except InfeasibleSave:
-            new_tl = None
+        new_tl = _trial(jg, trial, tl.peak_bytes)
         if new_tl is None:
             tried.add(move.sid)
             continue
@@ -322,7 +331,7 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
     walk takes minutes) `_KICK_NODE_STEPS` bounds it lower."""
     best = min(states, key=lambda c: c.timeline.peak_bytes)
     found: list[Choice] = []
-    limit = min(max(walked_for, _KICK_SIMULATIONS), _KICK_NODE_STEPS // max(1, len(jg.nodes)))
+    limit = _capped(jg, max(walked_for, _KICK_SIMULATIONS))
     effort = _Effort(limit=limit)
     lowered = True
     while lowered:
@@ -395,10 +404,7 @@ def _walk(
             total += m.gain_bytes
             if total >= want:
                 break
-        try:  # None: the peak would rise
-            new_tl = simulate(jg, _apply(saved, batch), above=tl.peak_bytes)
-        except InfeasibleSave:
-            new_tl = None
+        new_tl = _trial(jg, _apply(saved, batch), tl.peak_bytes)
         if new_tl is not None:
             saved, tl, single = _apply(saved, batch), new_tl, False
             kept |= {jg.storage[j] for m in batch if not m.unsave for j in m.also_save}
