@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -63,7 +64,9 @@ def _floor_error(model: torch.nn.Module, batch: object, **options: object) -> fx
     raise RuntimeError("a 1e-6 GiB budget was accepted")
 
 
-def _benchmark_models(names: list[str], size: str) -> None:
+def _built(names: list[str], size: str) -> Iterator[tuple[str, torch.nn.Module, object]]:
+    """(name, model, batch) of each of the benchmark models `names` at `size`, seeded; a model
+    without that size is said and skipped."""
     _repository_root_on_path()
     from benchmarks._models import MODELS
 
@@ -72,7 +75,11 @@ def _benchmark_models(names: list[str], size: str) -> None:
             print(f"[{name}] has no {size!r} size")
             continue
         torch.manual_seed(0)
-        model, batch = MODELS[name].sizes[size].build()
+        yield (name, *MODELS[name].sizes[size].build())
+
+
+def _benchmark_models(names: list[str], size: str) -> None:
+    for name, model, batch in _built(names, size):
         for label, passes in (("default passes", None), ("remat only", ())):
             plan = _floor_error(model, batch, passes=passes).plan
             fired = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v) or "none"
@@ -82,18 +89,12 @@ def _benchmark_models(names: list[str], size: str) -> None:
                 f"{plan.unconstrained_peak_bytes / 2**20:.1f} MiB; passes fired: {fired}",
                 flush=True,
             )
-        del model, batch
 
 
 def _budgets(names: list[str], size: str, steps: int, compiler: str) -> None:
     """Each model planned at `steps - 1` budgets evenly between its floor and its unconstrained
     peak (default passes): the peak each plan predicts and the time it adds, as it estimates."""
-    _repository_root_on_path()
-    from benchmarks._models import MODELS
-
-    for name in _known(names, MODELS, "--models"):
-        torch.manual_seed(0)
-        model, batch = MODELS[name].sizes[size].build()
+    for name, model, batch in _built(names, size):
         floor = _floor_error(model, batch, compiler=compiler).floor_bytes
         torch._dynamo.reset()
         unconstrained = fxmem.optimize(model, 64.0, example_inputs=batch, compiler=compiler).plan
@@ -145,14 +146,14 @@ def main() -> None:
     ap.add_argument(
         "--budgets",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="with --models: plan at N-1 budgets evenly between floor and unconstrained (default passes)",
     )
     args = ap.parse_args()
-    if args.budgets and not args.models:
-        ap.error("--budgets needs --models")
-    if args.budgets:
+    if args.budgets is not None and (not args.models or args.budgets < 2):
+        ap.error("--budgets N needs --models and N >= 2")
+    if args.budgets is not None:
         _budgets(args.models.split(","), args.size, args.budgets, args.compiler)
     elif args.zoo:
         _zoo(args.zoo.split(","), args.compiler)

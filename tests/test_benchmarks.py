@@ -220,6 +220,8 @@ def test_planning_time_plans_a_model_at_budgets_between_its_floor_and_unconstrai
     (b1, p1, t1), (b2, p2, t2) = ((float(x) for x in row) for row in found)
     assert b1 < b2 and p1 <= b1 and p2 <= b2, out.stdout
     assert t1 >= t2, out.stdout  # the tighter budget recomputes more here
+    refused = _run("planning_time.py", "--models", "gpt", "--budgets", "1")
+    assert refused.returncode == 2 and "N >= 2" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_planning_time_plans_hf_architectures_for_their_floor():
