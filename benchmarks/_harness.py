@@ -11,6 +11,8 @@ Per configuration: one warm-up step (compilation and fxmem's planning included: 
 "first call"), then `steps` rounds; in each round one plain step timed with
 `time.perf_counter` (its time; CUDA is synchronised around it), and in the first and the last
 round one more step inside `fxmem.measure` (the peak: the largest of these and the warm-up's).
+Past the time limit no configuration starts, and the round that starts is the last once
+`MIN_ROUNDS` have run (the report says so: its medians are of fewer steps).
 On CPU `fxmem.measure` runs the torch profiler, whose per-op overhead would bias the time
 against configurations that run many small ops (eager), hence the separate timed step.
 Gradients are compared once per configuration, on the first measured step, against the
@@ -38,7 +40,7 @@ import torch.nn as nn
 
 import fxmem
 from benchmarks._models import Batch, ModelSpec
-from benchmarks._records import SEED, UNCONSTRAINED_GB, Config, GiB, MiB, Options, Result
+from benchmarks._records import MIN_ROUNDS, SEED, UNCONSTRAINED_GB, Config, GiB, MiB, Options, Result
 from fxmem.pipeline import default_passes
 
 __all__ = [
@@ -516,22 +518,7 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
 
     # Round-robin: gradients on round 0 (family references first), then rotating order.
     live = [c for c in configs if c.error is None and c.na is None]
-    refs: dict[str, dict[str, np.ndarray]] = {}
-    for rnd in range(opts.steps if live else 0):
-        order = live if rnd == 0 else live[rnd % len(live) :] + live[: rnd % len(live)]
-        for c in order:
-            if c.error is not None:
-                continue
-            try:
-                if rnd == 0:
-                    _check_grads(runner, c, refs, spec.random_ops)
-                elif rnd == opts.steps - 1:
-                    runner.measure(c)  # peaks are the same step after step; see the notes
-                runner.time_step(c)
-            except Exception as e:  # noqa: BLE001
-                c.error = _first_line(e)
-                zero_grads(model)
-        log(f"  round {rnd + 1}/{opts.steps} done")
+    rounds = _rounds(runner, live, opts, spec.random_ops, log) if live else 0
     for c in configs:
         if c.fxmem_module is not None and len(c.fxmem_module.plans) > 1:
             c.notes.append(f"{len(c.fxmem_module.plans)} plans were made (re-planned during the measured steps)")
@@ -544,11 +531,41 @@ def bench_model(spec: ModelSpec, size_key: str, opts: Options, log: Callable[[st
     for c in configs:
         c.call, c.fxmem_module, c.context = None, None, contextlib.nullcontext
     result = Result(spec, size.label, configs, fxmem_floor_bytes=floor, cut_short=cut)
-    del runner, configs, model, batch, live, refs
+    result.rounds, result.rounds_wanted = rounds, opts.steps
+    del runner, configs, model, batch, live
     torch._dynamo.reset()
     free_memory(opts.device)
     result.wall_s = time.perf_counter() - t_start
     return result
+
+
+def _rounds(runner: Runner, live: list[Config], opts: Options, random_ops: bool, log: Callable[[str], None]) -> int:
+    """The timed rounds over the configurations warmed up: gradients compared on round 0
+    (family references first), each configuration's peak measured again on the last, one
+    timed step each in every round, in rotating order. Past the time limit the round that
+    starts is the last, once MIN_ROUNDS have run (a 1B model's first calls can take the whole
+    limit: its steps are still timed). Returns the number of rounds run."""
+    refs: dict[str, dict[str, np.ndarray]] = {}
+    for rnd in range(opts.steps):
+        last = rnd == opts.steps - 1 or (rnd >= MIN_ROUNDS - 1 and opts.out_of_time())
+        order = live if rnd == 0 else live[rnd % len(live) :] + live[: rnd % len(live)]
+        for c in order:
+            if c.error is not None:
+                continue
+            try:
+                if rnd == 0:
+                    _check_grads(runner, c, refs, random_ops)
+                elif last:
+                    runner.measure(c)  # peaks are the same step after step; see the notes
+                runner.time_step(c)
+            except Exception as e:  # noqa: BLE001
+                c.error = _first_line(e)
+                zero_grads(runner.model)
+        ended = " (the time limit ends the rounds here)" if last and rnd < opts.steps - 1 else ""
+        log(f"  round {rnd + 1}/{opts.steps} done{ended}")
+        if last:
+            return rnd + 1
+    return opts.steps
 
 
 def _check_grads(runner: Runner, c: Config, refs: dict[str, dict[str, np.ndarray]], random_ops: bool) -> None:

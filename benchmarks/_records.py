@@ -16,12 +16,13 @@ import torch
 
 from benchmarks._models import Batch, ModelSpec
 
-__all__ = ["GiB", "MiB", "SEED", "UNCONSTRAINED_GB", "Config", "Options", "Result", "machine_line"]
+__all__ = ["GiB", "MiB", "MIN_ROUNDS", "SEED", "UNCONSTRAINED_GB", "Config", "Options", "Result", "machine_line"]
 
 MiB = 2**20
 GiB = 2**30
 UNCONSTRAINED_GB = 1024.0
 SEED = 1234
+MIN_ROUNDS = 2  # timed rounds run however late: gradients on the first, peaks on the last
 
 
 @dataclass
@@ -33,7 +34,9 @@ class Options:
     eager_fractions: tuple[float, ...] = (0.6,)  # also fxmem at these fractions of eager's measured peak
     remat_only: bool = True  # also fxmem with passes=(): rematerialisation alone
     sliced: bool = True  # also fxmem with compiler="eager" + microbatch_blocks, at its floor
-    deadline: float | None = None  # time.perf_counter() past which no further fxmem point starts
+    # time.perf_counter() past which no further configuration starts, and the timed rounds end
+    # (after MIN_ROUNDS of them)
+    deadline: float | None = None
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.perf_counter() > self.deadline
@@ -107,6 +110,8 @@ class Result:
     wall_s: float = 0.0
     fxmem_floor_bytes: int | None = None  # the planner's floor, default passes
     cut_short: list[str] = field(default_factory=list)  # configurations the time limit left out
+    rounds: int = 0  # timed rounds run: Options.steps, or fewer where the time limit ended them
+    rounds_wanted: int = 0
 
     def anchors(self) -> list[Config]:
         return [c for c in self.configs if c.is_anchor and c.ok]

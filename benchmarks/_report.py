@@ -93,6 +93,12 @@ def render_model(result: Result, png_name: str | None) -> str:
     lines += [_row(c, base) for c in configs]
     if result.cut_short:
         lines += ["", f"**Cut short by the time limit.** Not run: {', '.join(result.cut_short)}."]
+    if result.rounds < result.rounds_wanted:
+        lines += [
+            "",
+            f"**Timed rounds ended by the time limit:** {result.rounds} of {result.rounds_wanted}; "
+            f"each median is of {result.rounds} steps.",
+        ]
     entry = next((c.entries[0] for c in configs if c.entries), None)
     lines += ["", f"Alive at entry (parameters, buffers, batch): {_mib(entry)} MiB."]
     if result.fxmem_floor_bytes is not None:
@@ -183,7 +189,7 @@ def summary_table(results: list[Result]) -> str:
         else:
             low = f"{_mib(floor[1])} ({floor[2].name})"
             fx_floor = f"{_mib(floor[0])} ({floor[0] / floor[1]:.2f}x{_sliced_mark(floor[3])})"
-        cut = " (cut short)" if r.cut_short else ""
+        cut = " (cut short)" if r.cut_short or r.rounds < r.rounds_wanted else ""
         lines.append(
             f"| {r.spec.name}{cut} | {fast.name} ({_mib(fast.peak_bytes)}, {fast.step_s:.3f}) | {low} | {fx_floor} | "
             f"{met} of {len(checks)} budgets | {vs} | {grads} |"
@@ -201,6 +207,7 @@ def to_json(results: list[Result], meta: dict) -> str:
                 "wall_s": r.wall_s,
                 "fxmem_floor_bytes": r.fxmem_floor_bytes,
                 "cut_short": r.cut_short,
+                "timed_rounds": r.rounds,
                 "configs": [
                     {
                         "name": c.name,

@@ -109,7 +109,8 @@ if wants peak; then
     done
 fi
 
-# The benchmark starts no configuration in its last 100 s, which leave time for its steps.
+# The benchmark starts no configuration in its last 100 s, which leave time for its steps: past
+# its time limit it runs two timed rounds (gradients, then peaks) and ends them.
 bench=0
 remaining=$(left)
 if ! wants bench; then

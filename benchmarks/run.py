@@ -67,8 +67,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--time-limit",
         type=float,
         default=None,
-        help="seconds: past it no further fxmem point or model starts (what was started is measured and "
-        "written); the report is rewritten after every model either way",
+        help="seconds: past it no further configuration or model starts, and a model's timed rounds end "
+        "after at least two (what was started is measured and written, the report says what was cut); "
+        "the report is rewritten after every model either way",
     )
     ap.add_argument("--warm-cache", action="store_true", help="use the usual inductor cache instead of a cold one")
     args = ap.parse_args(argv)

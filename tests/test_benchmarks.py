@@ -109,6 +109,32 @@ def test_a_benchmark_past_its_time_limit_writes_what_it_did_not_run(tmp_path):
     assert "Past the time limit (0 s): vit." in report and "for the whole run" in report
 
 
+@pytest.mark.slow
+def test_timed_rounds_past_the_time_limit_end_after_two_and_say_so(monkeypatch):
+    """The limit passes during the first timed round: the next round is the last, measures
+    each configuration's peak again, and the report says the medians are of two steps."""
+    from benchmarks import _harness
+    from benchmarks._records import Options
+
+    late = []
+    monkeypatch.setattr(Options, "out_of_time", lambda self: bool(late))
+
+    def log(msg: str) -> None:
+        if "round 1/" in msg:
+            late.append(msg)
+
+    opts = Options(steps=5, amb_values=(), fxmem_points=1, eager_fractions=(), remat_only=False, sliced=False)
+    result = _harness.bench_model(MODELS["gpt"], "quick", opts, log)
+    assert (result.rounds, result.rounds_wanted) == (2, 5)
+    ran = [c for c in result.configs if c.ok]
+    assert {c.kind for c in ran} >= {"eager", "compile", "fxmem"}
+    for c in ran:
+        assert len(c.times) == 2 and len(c.peaks) >= 2, c  # the warm-up's peak, the last round's
+    section = render_model(result, None)
+    assert "**Timed rounds ended by the time limit:** 2 of 5; each median is of 2 steps." in section
+    assert f"| {result.spec.name} (cut short) |" in summary_table([result])
+
+
 def _measured(name, kind, peak, step, budget=None):
     c = Config(name, kind, budget_bytes=budget)
     c.peaks, c.times, c.profiled_times, c.first_s = [peak], [step], [step], step
