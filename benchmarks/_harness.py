@@ -44,6 +44,7 @@ from benchmarks._records import MIN_ROUNDS, SEED, UNCONSTRAINED_GB, Config, GiB,
 from fxmem.pipeline import default_passes
 
 __all__ = [
+    "KEEP_OUTPUTS",
     "Runner",
     "allow_many_compiles",
     "bench_model",
@@ -109,8 +110,13 @@ def overall_rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
     return float(diff / norm)
 
 
+# Every step here keeps only the loss (`train_step`, `Runner._step`): what else the model
+# returns is let go before the backward, for every configuration, so fxmem plans for that.
+KEEP_OUTPUTS = False
+
+
 def train_step(module: Callable, batch: Batch) -> torch.Tensor:
-    """Forward and backward of one batch; returns the loss, detached."""
+    """Forward and backward of one batch, keeping only the loss; returns it, detached."""
     loss = _loss(call_model(module, batch))
     loss.backward()
     return loss.detach()
@@ -148,12 +154,13 @@ def fxmem_at(
     budget_bytes: int,
     compiler: str,
     ref: dict[str, torch.Tensor],
+    keep_outputs: bool = KEEP_OUTPUTS,
 ) -> tuple[nn.Module, float, float, Any]:
     """`fxmem.optimize` at `budget_bytes`: the module, the first step's seconds (planning and
     compiling; a refused budget raises its BudgetError), that step's gradients' error against
     `ref` (`overall_rel_err`), and one measured step (no copy of the gradients alive in it).
     `state` is put back before each step, as in `eager_at`."""
-    module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler)
+    module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler, keep_outputs=keep_outputs)
     t0 = time.perf_counter()
     train_step(module, batch)
     first_s = time.perf_counter() - t0
@@ -267,7 +274,7 @@ def fxmem_config(
     kind = kind or ("fxmem" if passes is None else "fxmem-remat")
     # +0.5 byte: fxmem truncates budget_gb * 2**30 to bytes, and a float can land one below
     budget_gb = UNCONSTRAINED_GB if budget_bytes is None else (budget_bytes + 0.5) / GiB
-    module = fxmem.optimize(model, budget_gb, passes=passes, **_FXMEM_KINDS[kind][1])
+    module = fxmem.optimize(model, budget_gb, passes=passes, keep_outputs=KEEP_OUTPUTS, **_FXMEM_KINDS[kind][1])
     name = f"fxmem{_FXMEM_KINDS[kind][0]}, {label}"
     return Config(name, kind, call=lambda b: call_model(module, b), budget_bytes=budget_bytes, fxmem_module=module)
 
@@ -413,7 +420,7 @@ def warm_up_at_floor(runner: Runner, model: nn.Module, floor: int, passes: tuple
 def floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
     """fxmem's floor for this model, read from the BudgetError an impossible budget raises."""
     try:
-        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, **options)
+        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, **{"keep_outputs": KEEP_OUTPUTS, **options})
     except fxmem.BudgetError as e:
         if passes == SLICED_PASSES and e.plan is not None and e.plan.batch_slices == 1:
             return None, "no block of this model can run over slices of the batch"

@@ -4,8 +4,8 @@
 
 The small GPT of tests/test_cuda.py (4 layers, d64, vocab 512, batch 4 x 256, fp32; or NAME,
 a model of benchmarks/run.py at its CUDA size) under `fxmem.optimize` at its floor (default)
-runs one step with the CUDA allocator's history
-recorded (`torch.cuda.memory._record_memory_history`, Python stacks). The history is replayed
+runs one step, keeping only the loss as the benchmark does (planned with `keep_outputs=False`),
+with the CUDA allocator's history recorded (`torch.cuda.memory._record_memory_history`, Python stacks). The history is replayed
 to the moment of its highest requested bytes (which `memory_stats()["requested_bytes.all.peak"]`
 reads; `torch.cuda.max_memory_allocated()` counts the allocator's rounded blocks, both are
 printed); the blocks the step allocated that are alive then are listed by the line that allocated them (in inductor's
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA device")
 
     import fxmem
-    from benchmarks._harness import floor_of, train_step, zero_grads
+    from benchmarks._harness import KEEP_OUTPUTS, floor_of, train_step, zero_grads
     from fxmem import probe
 
     passes = None if args.passes == "default" else ()
@@ -204,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"no floor to run at: {why}")
         budget_gb = (floor + 0.5) / 2**30
     try:
-        m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes)
+        m = fxmem.optimize(model, budget_gb, example_inputs=batch, passes=passes, keep_outputs=KEEP_OUTPUTS)
     except fxmem.BudgetError as e:  # what the floor search left cached counts now: its floor
         if args.budget != "floor" or e.floor_bytes is None:
             raise
         print(f"the floor found first ({budget_gb * 1024:.1f} MiB) was refused; at {e.floor_bytes / MiB:.1f}")
-        m = fxmem.optimize(model, (e.floor_bytes + 0.5) / 2**30, example_inputs=batch, passes=passes)
+        m = fxmem.optimize(
+            model, (e.floor_bytes + 0.5) / 2**30, example_inputs=batch, passes=passes, keep_outputs=KEEP_OUTPUTS
+        )
     step(m)  # compiles
     zero_grads(model)
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """Hugging Face architectures, built from small configs, through `fxmem.optimize` as users call it.
 
     python benchmarks/hf_zoo.py [--models gpt2,llama,...] [--compiler eager|inductor]
-        [--budget 0.5|floor]
+        [--budget 0.5|floor] [--keep-outputs true|false]
 
 Each model is built with transformers' defaults (its default attention implementation, its
 own loss from `labels`), dropout off so that eager and fxmem compute the same thing, and one
@@ -10,7 +10,9 @@ at fxmem's floor (read from the BudgetError of an impossible budget). Per model:
 the budget, the measured and predicted peaks, whether the budget held (a BudgetError at a
 fraction is reported as such: the floor is above it), the gradients' relative error against
 eager's (all parameters together) and, under inductor, plain `torch.compile`'s beside it, the
-passes that fired, and the first call's seconds (planning and compilation). Language models train on 8 x 512 tokens of a 512-word vocabulary,
+passes that fired, and the first call's seconds (planning and compilation). The step keeps
+only the loss; fxmem plans with `keep_outputs` as given (default true, as `fxmem.optimize`:
+the returned logits counted through the backward). Language models train on 8 x 512 tokens of a 512-word vocabulary,
 vision models on 32 images of 128 px. Needs transformers. Exit status 1 when a budget that was
 accepted did not hold, gradients differ by more than 1e-4 (under inductor: and by more than
 ten times plain torch.compile's own difference, as batch norm's ill-conditioned gradients do),
@@ -231,7 +233,7 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
     }
 
 
-def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
+def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bool = True) -> dict:
     """One model; its buffers (batch norm's statistics) are put back before every step."""
     torch.manual_seed(0)
     model, batch = build()
@@ -241,7 +243,7 @@ def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
     row: dict[str, Any] = {"model": name, "eager": eager.peak_bytes}
     row["compiled_err"] = compiled_err(model, batch, state, ref) if compiler == "inductor" else None
     if budget == "floor":
-        budget_bytes, why = floor_of(model, batch, None, compiler=compiler)
+        budget_bytes, why = floor_of(model, batch, None, compiler=compiler, keep_outputs=keep_outputs)
         if budget_bytes is None:
             return {**row, "error": why}
         model.load_state_dict(state)
@@ -249,7 +251,7 @@ def run(name: str, build: Callable, compiler: str, budget: str) -> dict:
         budget_bytes = int(float(budget) * eager.peak_bytes)
     row["budget"] = budget_bytes
     try:
-        module, first_s, grad_err, got = fxmem_at(model, batch, state, budget_bytes, compiler, ref)
+        module, first_s, grad_err, got = fxmem_at(model, batch, state, budget_bytes, compiler, ref, keep_outputs)
     except fxmem.BudgetError as e:
         return {**row, "refused": e.floor_bytes}
     plan = module.plan
@@ -292,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="")
     ap.add_argument("--compiler", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--budget", default="0.5", help="a fraction of eager's measured peak, or 'floor'")
+    ap.add_argument(
+        "--keep-outputs",
+        default="true",
+        choices=["true", "false"],
+        help="fxmem.optimize's keep_outputs (false: plan for this step, which keeps only the loss)",
+    )
     args = ap.parse_args(argv)
     if args.budget != "floor":
         try:
@@ -304,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(models))
     if unknown:
         ap.error(f"unknown model(s) {unknown}; available: {sorted(models)}")
-    print(f"# HF architectures, compiler={args.compiler}, budget {args.budget}\n\n{machine_line('cpu')}\n")
+    keep = args.keep_outputs == "true"
+    print(
+        f"# HF architectures, compiler={args.compiler}, budget {args.budget}, keep_outputs={keep}\n\n"
+        f"{machine_line('cpu')}\n"
+    )
     print(
         "| model | eager MiB | budget MiB | measured MiB | predicted MiB | held | grad rel err "
         "| torch.compile's | passes fired | first call s |"
@@ -313,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in names:
         try:
-            r = run(name, models[name], args.compiler, args.budget)
+            r = run(name, models[name], args.compiler, args.budget, keep)
         except Exception as e:  # noqa: BLE001 -- a model that fails is a row of the table
             r = {"model": name, "eager": 0, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(_line(r), flush=True)

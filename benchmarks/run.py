@@ -172,7 +172,9 @@ def _write(
         f"{'for the whole run' if done else 'so far (the run had not finished)'}"
         f"{' (cold inductor cache)' if not args.warm_cache else ''}.",
         "",
-        f"Each step is forward + backward of a training step, fp32, no optimizer. {opts.steps} timed rounds; in "
+        "Each step is forward + backward of a training step, fp32, no optimizer, keeping only the loss (what "
+        "else the model returns is let go before the backward; fxmem plans for that: `keep_outputs=False`). "
+        f"{opts.steps} timed rounds; in "
         "each, every configuration runs one plain timed step (median step time), configurations alternating in "
         "rotating order after one warm-up step each; in the first and last rounds each also runs one step inside "
         "`fxmem.measure` (peak: the largest of those and the warm-up's). 'first call' is the warm-up step: compilation, fxmem's planning and one step. Anchors are every "

@@ -12,6 +12,7 @@ from fxmem.api import FxmemModule, optimize
 from fxmem.backend import fxmem_backend, recent_plans
 from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
+from fxmem.outputs import OutputsHeldWarning
 from fxmem.plan import Decision, Plan
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "FxmemModule",
     "GraphBreakError",
     "Measurement",
+    "OutputsHeldWarning",
     "Plan",
     "PlanMismatchError",
     "fxmem_backend",

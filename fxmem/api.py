@@ -31,6 +31,7 @@ def optimize(
     precision: str = "fp32",
     tie_weights: bool | Sequence[tuple[str, str]] = False,
     margin: float = 0.03,
+    keep_outputs: bool = True,
     plan: str | os.PathLike | Plan | None = None,
 ) -> FxmemModule:
     """Return `model` planned so that one training step peaks at most `budget_gb` GiB.
@@ -59,6 +60,13 @@ def optimize(
     training change, so it is opt-in; `plan.tie_candidates` lists what could be tied and
     `plan.tied_weights` what is one tensor. Build the optimizer after tying.
 
+    `keep_outputs=False` plans for a training loop that keeps only the loss
+    (`model(**batch).loss.backward()`): what else the step returns (an LM's logits, its
+    key/value caches) is counted until the forward ends, not through the backward, which can
+    lower the peak by as much as those outputs take. Every call then checks that premise as its
+    backward starts, and warns (`fxmem.OutputsHeldWarning`) when more of its outputs are still
+    held than the plan's head-room below the budget.
+
     `plan`, a saved `plan.json` (or the folder `Plan.save` wrote), applies that plan's
     decisions instead of planning again; `fxmem.PlanMismatchError` is raised, naming the
     first difference, if it was made for another graph (other model, shapes or dtypes).
@@ -76,6 +84,7 @@ def optimize(
             "passes": passes,
             "precision": precision,
             "margin": margin,
+            "keep_outputs": keep_outputs,
             "plan": plan,
         }
     )

@@ -32,7 +32,7 @@ from fxmem.measure import live_storage_bytes
 from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
-from fxmem.outputs import with_output_hooks
+from fxmem.outputs import warn_if_outputs_held, with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, default_passes, run_passes
@@ -120,6 +120,7 @@ class Options:
     passes: Sequence[str] | None = None  # None: the default (exact) passes
     precision: str = "fp32"  # "bf16": also run bf16_regions
     margin: float = 0.03
+    keep_outputs: bool = True  # False: the caller lets what the step returns go before the backward
     on_plan: Callable[[Plan], None] | None = field(default=None, repr=False)
     dump: str | None = None  # folder to save every plan into (default: $FXMEM_DUMP)
     plan: str | Plan | None = field(default=None, repr=False)  # a saved plan.json (or its folder) to apply
@@ -145,6 +146,8 @@ class Options:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {opts.precision!r}")
         if opts.optimizer is not None and not isinstance(opts.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opts.optimizer).__name__}")
+        if not isinstance(opts.keep_outputs, bool):
+            raise TypeError(f"keep_outputs must be True or False, got {opts.keep_outputs!r}")
         if not 0 <= opts.margin < 0.5:
             raise ValueError(f"margin must be a fraction in [0, 0.5), got {opts.margin!r}")
         if opts.plan is not None and not isinstance(opts.plan, Plan):
@@ -281,8 +284,9 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
-    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin, dump
-    (a folder to save every plan into; default $FXMEM_DUMP), plan (a saved plan.json to apply)."""
+    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin,
+    keep_outputs (see `fxmem.optimize`), dump (a folder to save every plan into; default
+    $FXMEM_DUMP), plan (a saved plan.json to apply)."""
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
@@ -294,7 +298,10 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     gm, fired = run_passes(gm, example_inputs, opts.pass_names())
     state_bytes, step_bytes = optimizer_bytes(opts.optimizer)
 
+    made: list[Plan] = []  # this graph's plans; the last is the one it runs
+
     def on_plan(plan: Plan) -> None:
+        made.append(plan)
         ledger.saved_by_region[region] = plan.saved_bytes
         emit_plan(plan, opts.dump, region)
         _recent.append(plan)
@@ -325,6 +332,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
             margin_fraction=opts.margin,
             rewrites=rewrites,
             batch_slices=slices,
+            keep_outputs=opts.keep_outputs,
             on_plan=on_plan,
             reuse=opts.plan,
         )
@@ -346,8 +354,10 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         compiled = _compile_sliced_if_needed(gm, fired, compile_graph, opts.budget_bytes)
     else:
         compiled = compile_graph(gm, fired, 1, opts.budget_bytes)
-    # Premises the passes took about module buffers; outputs they finish outside the step.
-    return checked(with_output_hooks(compiled, gm), gm)
+    # Premises the passes took about module buffers; outputs they finish outside the step;
+    # outputs the plan counted as let go before the backward.
+    step = checked(with_output_hooks(compiled, gm), gm)
+    return step if opts.keep_outputs else warn_if_outputs_held(step, made)
 
 
 def _compile_sliced_if_needed(

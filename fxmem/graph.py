@@ -26,6 +26,9 @@ from fxmem.probe import workspace_bytes
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
 
 PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
+# AOTAutograd's descriptors of the forward outputs the caller receives: what the step returns,
+# and the bases it rebuilds returned views of intermediates from.
+_CALLER_OUTPUTS = ("PlainAOTOutput", "IntermediateBaseAOTOutput")
 
 
 def _merge_view_storages(
@@ -98,6 +101,9 @@ class JointGraph:
     # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
     # that add is, reading their inputs there.
     folded: frozenset[int] = frozenset()
+    # Forward outputs the caller lets go before the backward (`keep_outputs=False`): the values
+    # the step returns to it, which then live to the forward's end, not the backward's.
+    released_outputs: frozenset[int] = frozenset()
 
     @classmethod
     def build(
@@ -107,6 +113,7 @@ class JointGraph:
         cost: CostModel,
         storage_remap: dict[int, int] | None = None,
         fusing: bool = False,
+        keep_outputs: bool = True,
     ) -> JointGraph:
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
         index = {n: i for i, n in enumerate(nodes)}
@@ -186,7 +193,10 @@ class JointGraph:
         # stats, say) have a side effect: they run once. Their buffers also change after the
         # forward, so a recomputation reading them would see the new values.
         descs = out_node.meta.get("desc") or []
+        released = set()
         for out, desc in zip(flat_outs[:num_fwd_outputs], list(descs)[:num_fwd_outputs], strict=True):
+            if not keep_outputs and type(desc).__name__ in _CALLER_OUTPUTS and isinstance(out, fx.Node):
+                released.add(index[out])
             if type(desc).__name__ != "InputMutationAOTOutput" or not isinstance(out, fx.Node):
                 continue
             op = out.args[0] if out.target is operator.getitem else out
@@ -236,6 +246,7 @@ class JointGraph:
             bwd_outputs=bwd_outputs,
             first_bwd=first_bwd,
             is_sym=is_sym,
+            released_outputs=frozenset(released),
         )
 
     def nbytes(self, i: int) -> int:

@@ -12,17 +12,32 @@ when no gradient comes.
 `return_outside(gm, nodes, hook)` appends `nodes` to the graph's outputs and registers `hook`;
 `with_output_hooks(compiled, gm)` is the step the backend hands to Dynamo: it runs `compiled`,
 lets every hook edit the output list, and returns the outputs the graph had before.
+
+A plan made with `keep_outputs=False` counts what the step returns as let go when its backward
+starts; `warn_if_outputs_held` checks that premise on every call (`OutputsHeldWarning`).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 
-__all__ = ["OutputHook", "output_values", "return_outside", "with_output_hooks"]
+from fxmem.plan import Plan, format_bytes
+
+__all__ = [
+    "OutputHook",
+    "OutputsHeldWarning",
+    "output_values",
+    "return_outside",
+    "warn_if_outputs_held",
+    "with_output_hooks",
+]
 
 # hook(outputs): edits the list of the compiled step's outputs in place; `positions` are where
 # the nodes handed to `return_outside` are in it.
@@ -64,6 +79,65 @@ def with_output_hooks(compiled: Callable[..., Any], gm: fx.GraphModule) -> Calla
         for hook, positions in hooks:
             hook(outputs, positions)
         return outputs[:user_outputs]
+
+    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
+    return run
+
+
+class OutputsHeldWarning(UserWarning):
+    """What a step returned was still held as its backward started, though its plan
+    (`keep_outputs=False`) counted it as let go, and by more than the plan's head-room: the
+    step can exceed its budget."""
+
+
+def warn_if_outputs_held(step: Callable[..., Any], plans: Sequence[Plan]) -> Callable[..., Any]:
+    """`step` (the backend's result, planned with `keep_outputs=False`) checking, as the
+    backward of each call starts, whether the tensors the call returned are still held; when
+    more bytes are than the last of `plans` (the one the step runs) left between its predicted
+    peak and its budget, `OutputsHeldWarning`. The check runs in a hook on each returned tensor
+    that requires grad, the first to get its gradient (the loss the backward starts from) left
+    out of the count; it holds none of them."""
+
+    # Dynamo calls its backend's result with the graph inputs as arguments.
+    @functools.wraps(step)
+    def run(*args: Any) -> Any:
+        outputs = step(*args)
+        plan = plans[-1] if plans else None
+        if plan is None or plan.budget_bytes is None:
+            return outputs
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        refs = [weakref.ref(t) for t in tensors]
+        checked = [False]
+
+        def hook_for(k: int) -> Callable[[torch.Tensor], None]:
+            def hook(_grad: torch.Tensor) -> None:
+                if checked[0]:
+                    return
+                checked[0] = True
+                held = {}
+                for j, r in enumerate(refs):
+                    t = r()
+                    if j != k and t is not None:
+                        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                room = plan.budget_bytes - plan.predicted_peak_bytes
+                if sum(held.values()) > room:
+                    warnings.warn(
+                        f"fxmem: {format_bytes(sum(held.values()))} of what this step returned is still held "
+                        f"as its backward starts; its plan (keep_outputs=False) counted it as let go and has "
+                        f"{format_bytes(room)} of head-room below its budget of {format_bytes(plan.budget_bytes)}: "
+                        "the step can exceed that budget. Keep only the loss (drop the model's output before "
+                        "backward()), or plan with keep_outputs=True",
+                        OutputsHeldWarning,
+                        stacklevel=2,
+                    )
+
+            return hook
+
+        if torch.is_grad_enabled():
+            for k, t in enumerate(tensors):
+                if t.requires_grad:
+                    t.register_hook(hook_for(k))
+        return outputs
 
     run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
     return run

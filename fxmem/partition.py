@@ -88,6 +88,8 @@ class PlanRequest:
     margin_bytes: int = _MARGIN_BYTES
     rewrites: dict[str, int] = field(default_factory=dict)
     batch_slices: int = 1  # slices of the batch the sliced blocks run over
+    # False: the caller lets what the step returns go before the backward (it keeps the loss)
+    keep_outputs: bool = True
     on_plan: Callable[[Plan], None] | None = None
     reuse: Plan | None = None  # apply this saved plan's decisions instead of planning
 
@@ -116,7 +118,9 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         fusing = req.compiler == "inductor"
 
         def build(gm: fx.GraphModule) -> JointGraph:
-            return JointGraph.build(gm, num_fwd_outputs, cost, storage_remap, fusing=fusing)
+            return JointGraph.build(
+                gm, num_fwd_outputs, cost, storage_remap, fusing=fusing, keep_outputs=req.keep_outputs
+            )
 
         jg = build(joint)
         # The graph before the backward's own copies of cheap values, planned beside the one
@@ -415,6 +419,7 @@ def _make_plan(
         second_recomputation=asdict(second) if second is not None else {},
         batch_slices=req.batch_slices,
         backward_copies=backward_copies,
+        keep_outputs=req.keep_outputs,
     )
 
 

@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = ["Decision", "Plan", "format_bytes"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
 # version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation;
-# version 3 copies_time_s; version 4 backward_copies
-_READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# version 3 copies_time_s; version 4 backward_copies; version 6 keep_outputs
+_READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 def format_bytes(n: float) -> str:
@@ -76,6 +76,8 @@ class Plan:
     # False: planned on the graph without the backward's copies of cheap values (fxmem.again),
     # the budget being below the floor with them.
     backward_copies: bool = True
+    # False: planned for a caller that lets what the step returns go before the backward.
+    keep_outputs: bool = True
 
     @property
     def saved(self) -> list[Decision]:
@@ -125,6 +127,10 @@ class Plan:
             lines.append(
                 f"  computed twice:  {len(dropped)} saved values made again in backward from earlier saved ones "
                 f"({len(self.second_recomputation['chain'])} ops run a second time)"
+            )
+        if not self.keep_outputs:
+            lines.append(
+                "  outputs:         counted until the forward ends (keep_outputs=False: the caller keeps the loss)"
             )
         if not self.backward_copies:
             lines.append("  backward copies: none (below the floor with them, the backward reads saved values)")

@@ -2,7 +2,8 @@
 
 The step runs in the order `schedule` gives. Every storage is freed after its last reader;
 saved storages live from the forward into the backward; outputs (the loss, gradients) live to
-the end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+the end, or, what the step returns when the caller lets it go before the backward
+(`keep_outputs=False`), to the forward's end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
 
 For a fusing compiler (inductor) the simulation follows its kernels rather than its ops: a
 value only fusible ops read is never stored, so its inputs live until its last reader (each
@@ -73,16 +74,20 @@ def simulate(
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = jg.primal_storages
-    pinned_end = {storage[i] for i in jg.fwd_outputs + jg.bwd_outputs if storage[i] >= 0}
+    outputs = [i for i in jg.fwd_outputs if i not in jg.released_outputs] + jg.bwd_outputs
+    pinned_end = {storage[i] for i in outputs if storage[i] >= 0}
+    released = {storage[i] for i in jg.released_outputs if storage[i] >= 0} - pinned_end - static
     saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
     # the backward is two allocations. The forward runs the same steps whatever is saved.
+    # What the caller lets go before the backward lives to the forward's end.
     last_f = dict(jg.forward_last_reads)
+    last_f.update((s, max(last_f.get(s, boundary - 1), boundary - 1)) for s in released)
     last_b = jg.last_reads(order, boundary)
 
     # What a storage costs while alive: nothing if a fusing compiler never writes it out.
-    held = saved_sids | pinned_end
+    held = saved_sids | pinned_end | released
     cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
     rset = set(recomputed)
 

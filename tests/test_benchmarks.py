@@ -276,11 +276,18 @@ def test_hf_zoo_holds_a_model_at_its_floor(capsys):
     pytest.importorskip("transformers")
     from benchmarks import hf_zoo
 
-    assert hf_zoo.main(["--models", "llama", "--budget", "floor"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    budget, measured = float(cells[2]), float(cells[3])
-    assert measured <= budget and cells[5] == "yes" and float(cells[6]) < 1e-4
-    for bad in (["--budget", "2"], ["--models", "llama9000"]):
+    floors = {}
+    for keep in ("true", "false"):
+        assert hf_zoo.main(["--models", "llama", "--budget", "floor", "--keep-outputs", keep]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        budget, measured, predicted = float(cells[2]), float(cells[3]), float(cells[4])
+        assert measured <= budget and cells[5] == "yes" and float(cells[6]) < 1e-4
+        floors[keep] = budget, measured, predicted
+    # The step keeps only the loss: planned for that, the floor is lower (by more than half the
+    # 8 MiB of logits) and the step measures what the plan predicts.
+    assert floors["false"][0] < floors["true"][0] - 4, floors
+    assert abs(floors["false"][1] - floors["false"][2]) <= 0.01 * floors["false"][1], floors
+    for bad in (["--budget", "2"], ["--models", "llama9000"], ["--keep-outputs", "maybe"]):
         with pytest.raises(SystemExit):
             hf_zoo.main(bad)

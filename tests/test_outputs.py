@@ -1,11 +1,22 @@
-"""fxmem.outputs: values a pass returns beside the graph's outputs reach its hook, never the caller."""
+"""fxmem.outputs: values a pass returns beside the graph's outputs reach its hook, never the
+caller; a plan for a caller that keeps only the loss (`keep_outputs=False`), and its check."""
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import grads_of, max_rel_err, zero_grads
 
+import fxmem
+from fxmem.backend import Options
 from fxmem.outputs import return_outside, with_output_hooks
+
+MiB = 2**20
 
 
 def _graph() -> fx.GraphModule:
@@ -39,3 +50,91 @@ def test_hooks_see_the_extra_outputs_and_the_caller_does_not():
     assert torch.equal(out[0], x + y + y) and torch.equal(out[1], x * y)
     ((got_x, got_y),) = seen
     assert got_x is x and got_y is y
+
+
+class _LM(nn.Module):
+    """An LM head returning its logits beside the loss, as HF's *ForCausalLM do."""
+
+    def __init__(self, vocab: int = 2048, d: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(self.body(self.emb(idx)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)), logits
+
+
+def _lm():
+    torch.manual_seed(0)
+    model = _LM()
+    idx = torch.randint(0, 2048, (4, 256))
+    return model, (idx, torch.roll(idx, -1, dims=1))
+
+
+def _keeping_the_loss(model, *batch):
+    model(*batch)[0].backward()
+
+
+def _holding_the_output(model, *batch):
+    out = model(*batch)
+    out[0].backward()
+    return out
+
+
+def _held_warnings(fn, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fxmem.measure(fn, *args)
+    return got, [w for w in caught if issubclass(w.category, fxmem.OutputsHeldWarning)]
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_keep_outputs_false_plans_for_a_step_that_keeps_the_loss(compiler):
+    """Logits counted until the forward ends: the loss-only step measures what the plan
+    predicts, at a budget the default plan cannot reach; gradients as eager's; holding the
+    logits through the backward warns."""
+    model, batch = _lm()
+    _keeping_the_loss(model, *batch)
+    ref = grads_of(model)
+    zero_grads(model)
+    logits_bytes = 4 * 256 * 2048 * 4
+    plans = {}
+    for keep in (True, False):
+        m = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler=compiler, keep_outputs=keep)
+        plans[keep] = m.plan
+        zero_grads(model)
+    assert plans[True].keep_outputs and not plans[False].keep_outputs
+    assert plans[False].floor_bytes <= plans[True].floor_bytes - logits_bytes // 4, plans
+    assert "keep_outputs=False" in plans[False].summary() and "keep_outputs" not in plans[True].summary()
+
+    with pytest.raises(fxmem.BudgetError):  # between the floors: the default plan cannot reach it
+        fxmem.optimize(
+            model, (plans[False].floor_bytes + plans[True].floor_bytes) / 2**31, example_inputs=batch, compiler=compiler
+        )
+    budget = int(plans[False].floor_bytes * 1.005)
+    m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler=compiler, keep_outputs=False)
+    _keeping_the_loss(m, *batch)  # the first call's lazy allocations
+    zero_grads(model)
+    got, warned = _held_warnings(_keeping_the_loss, m, *batch)
+    assert not warned
+    assert got.peak_bytes <= budget, (got.peak_bytes / MiB, budget / MiB)
+    assert abs(got.peak_bytes - m.plan.predicted_peak_bytes) <= 0.02 * got.peak_bytes, (
+        got.peak_bytes / MiB,
+        m.plan.predicted_peak_bytes / MiB,
+    )
+    assert max_rel_err(grads_of(model), ref) < 1e-4
+    zero_grads(model)
+    held, warned = _held_warnings(_holding_the_output, m, *batch)
+    assert held.peak_bytes > budget and len(warned) == 1, (held.peak_bytes / MiB, budget / MiB)
+    assert "keep_outputs=True" in str(warned[0].message)
+    assert max_rel_err(grads_of(model), ref) < 1e-4
+
+
+def test_keep_outputs_must_be_a_bool():
+    model, batch = _lm()
+    with pytest.raises(TypeError, match="keep_outputs"):
+        fxmem.optimize(model, 1.0, keep_outputs="no")
+    with pytest.raises(TypeError, match="keep_outputs"):
+        Options.from_dict({"budget_gb": 1.0, "keep_outputs": 0})

@@ -47,7 +47,7 @@ def saved(tmp_path_factory):
 def test_plan_json_schema(saved):
     plan, directory = saved
     data = json.loads((directory / "plan.json").read_text())
-    assert data["schema_version"] == 5
+    assert data["schema_version"] == 6
     for key in (
         "budget_bytes",
         "floor_bytes",
@@ -56,6 +56,7 @@ def test_plan_json_schema(saved):
         "decisions",
         "rewrites",
         "backward_copies",
+        "keep_outputs",
     ):
         assert key in data
     assert set(data["breakdown"]) >= {"parameters", "saved activations", "temporaries"}
@@ -160,7 +161,7 @@ def test_schema_version_1_still_loads(saved, tmp_path):
     data = plan.to_dict()
     for key in (
         "timeline", "graph", "fingerprint", "saved_nodes", "measured", "second_recomputation", "copies_time_s",
-        "backward_copies",
+        "backward_copies", "keep_outputs",
     ):  # fmt: skip
         del data[key]
     data["schema_version"] = 1
@@ -168,6 +169,7 @@ def test_schema_version_1_still_loads(saved, tmp_path):
     old = fxmem.Plan.load(tmp_path / "plan.json")
     assert old.predicted_peak_bytes == plan.predicted_peak_bytes and old.timeline == {}
     assert old.backward_copies, "plans before version 5 were all made on the graph with the copies"
+    assert old.keep_outputs, "plans before version 6 all counted the outputs through the backward"
     old.save(tmp_path / "again")  # no timeline: plan.json only, no error
     assert os.listdir(tmp_path / "again") == ["plan.json"]
     data["schema_version"] = 99
@@ -225,7 +227,7 @@ def test_torch_logs_name_and_tlparse_artifact():
     artifacts = [r for r in records if "fxmem_plan" in str(getattr(r, "metadata", r.msg))]
     assert artifacts, [str(r.msg)[:80] for r in records][:5]
     payload = json.loads(artifacts[-1].payload)
-    assert payload["schema_version"] == 5 and payload["predicted_peak_bytes"] > 0
+    assert payload["schema_version"] == 6 and payload["predicted_peak_bytes"] > 0
 
 
 def _hf_llama():
