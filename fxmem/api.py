@@ -63,9 +63,10 @@ def optimize(
     `keep_outputs=False` plans for a training loop that keeps only the loss
     (`model(**batch).loss.backward()`): what else the step returns (an LM's logits, its
     key/value caches) is counted until the forward ends, not through the backward, which can
-    lower the peak by as much as those outputs take. Every call then checks that premise as its
-    backward starts, and warns (`fxmem.OutputsHeldWarning`) when more of its outputs are still
-    held than the plan's head-room below the budget.
+    lower the peak by as much as those outputs take. Each call with a budget checks the
+    premise as its backward starts, and warns (`fxmem.OutputsHeldWarning`) when the outputs
+    the plan let go are still held and take more than the plan left free below the budget
+    besides its margin. A saved plan applies only with the setting it was made with.
 
     `plan`, a saved `plan.json` (or the folder `Plan.save` wrote), applies that plan's
     decisions instead of planning again; `fxmem.PlanMismatchError` is raised, naming the

@@ -33,7 +33,7 @@ from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import warn_if_outputs_held, with_output_hooks
-from fxmem.partition import PlanRequest, make_partition_fn
+from fxmem.partition import PlanRequest, make_partition_fn, margin_for
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
@@ -357,7 +357,9 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     # Premises the passes took about module buffers; outputs they finish outside the step;
     # outputs the plan counted as let go before the backward.
     step = checked(with_output_hooks(compiled, gm), gm)
-    return step if opts.keep_outputs else warn_if_outputs_held(step, made)
+    if opts.keep_outputs:
+        return step
+    return warn_if_outputs_held(step, made, lambda budget: margin_for(budget, margin_fraction=opts.margin))
 
 
 def _compile_sliced_if_needed(

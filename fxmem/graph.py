@@ -26,9 +26,6 @@ from fxmem.probe import workspace_bytes
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
 
 PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
-# AOTAutograd's descriptors of the forward outputs the caller receives: what the step returns,
-# and the bases it rebuilds returned views of intermediates from.
-_CALLER_OUTPUTS = ("PlainAOTOutput", "IntermediateBaseAOTOutput")
 
 
 def _merge_view_storages(
@@ -101,9 +98,10 @@ class JointGraph:
     # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
     # that add is, reading their inputs there.
     folded: frozenset[int] = frozenset()
-    # Forward outputs the caller lets go before the backward (`keep_outputs=False`): the values
-    # the step returns to it, which then live to the forward's end, not the backward's.
-    released_outputs: frozenset[int] = frozenset()
+    # Forward outputs the caller lets go before the backward (`keep_outputs=False`), node ->
+    # position among the step's outputs: the tensors it returns as they are (AOTAutograd's
+    # plain outputs; not the bases of returned views), which then live to the forward's end.
+    released_outputs: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -193,10 +191,10 @@ class JointGraph:
         # stats, say) have a side effect: they run once. Their buffers also change after the
         # forward, so a recomputation reading them would see the new values.
         descs = out_node.meta.get("desc") or []
-        released = set()
+        released = {}
         for out, desc in zip(flat_outs[:num_fwd_outputs], list(descs)[:num_fwd_outputs], strict=True):
-            if not keep_outputs and type(desc).__name__ in _CALLER_OUTPUTS and isinstance(out, fx.Node):
-                released.add(index[out])
+            if not keep_outputs and type(desc).__name__ == "PlainAOTOutput" and isinstance(out, fx.Node):
+                released[index[out]] = desc.idx
             if type(desc).__name__ != "InputMutationAOTOutput" or not isinstance(out, fx.Node):
                 continue
             op = out.args[0] if out.target is operator.getitem else out
@@ -246,7 +244,7 @@ class JointGraph:
             bwd_outputs=bwd_outputs,
             first_bwd=first_bwd,
             is_sym=is_sym,
-            released_outputs=frozenset(released),
+            released_outputs=released,
         )
 
     def nbytes(self, i: int) -> int:

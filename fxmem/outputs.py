@@ -90,53 +90,58 @@ class OutputsHeldWarning(UserWarning):
     step can exceed its budget."""
 
 
-def warn_if_outputs_held(step: Callable[..., Any], plans: Sequence[Plan]) -> Callable[..., Any]:
+def _held(ref: weakref.ref) -> bool:
+    t = ref()
+    return t is not None and t.numel() > 1
+
+
+def warn_if_outputs_held(
+    step: Callable[..., Any], plans: Sequence[Plan], margin_of: Callable[[int], int]
+) -> Callable[..., Any]:
     """`step` (the backend's result, planned with `keep_outputs=False`) checking, as the
-    backward of each call starts, whether the tensors the call returned are still held; when
-    more bytes are than the last of `plans` (the one the step runs) left between its predicted
-    peak and its budget, `OutputsHeldWarning`. The check runs in a hook on each returned tensor
-    that requires grad, the first to get its gradient (the loss the backward starts from) left
-    out of the count; it holds none of them."""
+    backward of each call starts, whether the outputs its plan frees at the forward's end
+    (`Plan.released_outputs`; the last of `plans` is the one the step runs) are still held;
+    when they take more bytes than the plan left below its budget (`margin_of(budget)` kept
+    free besides), `OutputsHeldWarning`. A one-element output is not counted: the loss the
+    backward starts from is alive then. The check runs in a hook on every returned tensor that
+    requires grad, once, in the first to fire (that of this step's part of the backward); it
+    holds none of them. No budget, nothing released, or nothing that requires grad: no check."""
 
     # Dynamo calls its backend's result with the graph inputs as arguments.
     @functools.wraps(step)
     def run(*args: Any) -> Any:
         outputs = step(*args)
         plan = plans[-1] if plans else None
-        if plan is None or plan.budget_bytes is None:
+        if plan is None or plan.budget_bytes is None or not plan.released_outputs:
             return outputs
-        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-        refs = [weakref.ref(t) for t in tensors]
+        watched = [
+            (weakref.ref(outputs[pos]), sid, nbytes)
+            for pos, sid, nbytes in plan.released_outputs
+            if pos < len(outputs) and isinstance(outputs[pos], torch.Tensor)
+        ]
+        room = max(0, plan.budget_bytes - margin_of(plan.budget_bytes) - plan.predicted_peak_bytes)
         checked = [False]
 
-        def hook_for(k: int) -> Callable[[torch.Tensor], None]:
-            def hook(_grad: torch.Tensor) -> None:
-                if checked[0]:
-                    return
-                checked[0] = True
-                held = {}
-                for j, r in enumerate(refs):
-                    t = r()
-                    if j != k and t is not None:
-                        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                room = plan.budget_bytes - plan.predicted_peak_bytes
-                if sum(held.values()) > room:
-                    warnings.warn(
-                        f"fxmem: {format_bytes(sum(held.values()))} of what this step returned is still held "
-                        f"as its backward starts; its plan (keep_outputs=False) counted it as let go and has "
-                        f"{format_bytes(room)} of head-room below its budget of {format_bytes(plan.budget_bytes)}: "
-                        "the step can exceed that budget. Keep only the loss (drop the model's output before "
-                        "backward()), or plan with keep_outputs=True",
-                        OutputsHeldWarning,
-                        stacklevel=2,
-                    )
+        def hook(_grad: torch.Tensor | None) -> None:
+            if checked[0]:
+                return
+            checked[0] = True
+            held = {sid: nbytes for ref, sid, nbytes in watched if _held(ref)}
+            if sum(held.values()) > room:
+                warnings.warn(
+                    f"fxmem: {format_bytes(sum(held.values()))} of what this step returned is still held as "
+                    f"its backward starts; its plan (keep_outputs=False) counted it as let go when the forward "
+                    f"ended and kept {format_bytes(room)} free below its budget of "
+                    f"{format_bytes(plan.budget_bytes)} besides its margin: the step can exceed that budget. "
+                    "Keep only the loss (drop the model's output before backward()), or plan with "
+                    "keep_outputs=True",
+                    OutputsHeldWarning,
+                    stacklevel=1,
+                )
 
-            return hook
-
-        if torch.is_grad_enabled():
-            for k, t in enumerate(tensors):
-                if t.requires_grad:
-                    t.register_hook(hook_for(k))
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
         return outputs
 
     run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed

@@ -41,16 +41,16 @@ from fxmem.cleanup import (
     save_as_traced,
 )
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
-from fxmem.errors import BudgetError
+from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import FWD, PRIMAL, JointGraph
 from fxmem.kernels import is_fusible, is_view_op, seeds_from_buffers
 from fxmem.nodes import module_path, source_line
 from fxmem.plan import Decision, Plan
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
-from fxmem.simulate import simulate
+from fxmem.simulate import Timeline, let_go, simulate
 
-__all__ = ["PlanRequest", "make_partition_fn"]
+__all__ = ["PlanRequest", "budget_for", "make_partition_fn", "margin_for"]
 
 log = logging.getLogger("fxmem")
 
@@ -72,6 +72,13 @@ def budget_for(
     """The smallest budget whose limit, less the head-room, admits a predicted peak of
     `predicted_bytes` (what is reserved and the simulated peak together)."""
     return int((predicted_bytes + margin_bytes) / (1.0 - margin_fraction)) + 1
+
+
+def margin_for(
+    budget_bytes: int | None, margin_bytes: int = _MARGIN_BYTES, margin_fraction: float = _MARGIN_FRACTION
+) -> int:
+    """Head-room kept between the predicted peak and `budget_bytes`."""
+    return margin_bytes + int(margin_fraction * (budget_bytes or 0))
 
 
 @dataclass
@@ -103,12 +110,17 @@ class PlanRequest:
 
     def margin(self) -> int:
         """Head-room kept between the predicted peak and the budget."""
-        return self.margin_bytes + int(self.margin_fraction * (self.budget_bytes or 0))
+        return margin_for(self.budget_bytes, self.margin_bytes, self.margin_fraction)
 
 
 def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, fx.GraphModule]]:
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         t0 = time.perf_counter()
+        if req.reuse is not None and req.reuse.keep_outputs != req.keep_outputs:
+            raise PlanMismatchError(
+                f"the saved plan was made with keep_outputs={req.reuse.keep_outputs}, this step asks for "
+                f"keep_outputs={req.keep_outputs}: pass the plan's setting, or plan again"
+            )
         cost = CostModel(measure_rates(str(req.device)))
         storage_remap = remove_redundant_clones(joint)
         layout_opt = req.compiler == "inductor" and tp.inductor_layout_optimization(joint)
@@ -420,6 +432,18 @@ def _make_plan(
         batch_slices=req.batch_slices,
         backward_copies=backward_copies,
         keep_outputs=req.keep_outputs,
+        released_outputs=_released_outputs(jg, tl),
+    )
+
+
+def _released_outputs(jg: JointGraph, tl: Timeline) -> list[list[int]]:
+    """[position among the step's outputs, storage, bytes] of each output the plan frees at the
+    forward's end, the caller letting it go (`keep_outputs=False`): not saved for the backward."""
+    gone = let_go(jg) - set(tl.saved_interval)
+    return sorted(
+        [pos, jg.storage[i], jg.storage_bytes[jg.storage[i]]]
+        for i, pos in jg.released_outputs.items()
+        if jg.storage[i] in gone
     )
 
 

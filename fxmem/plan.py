@@ -76,8 +76,11 @@ class Plan:
     # False: planned on the graph without the backward's copies of cheap values (fxmem.again),
     # the budget being below the floor with them.
     backward_copies: bool = True
-    # False: planned for a caller that lets what the step returns go before the backward.
+    # False: planned for a caller that lets what the step returns go before the backward;
+    # [position among the step's outputs, storage, bytes] of each output freed at the forward's
+    # end so (the premise each call checks: `fxmem.outputs.warn_if_outputs_held`).
     keep_outputs: bool = True
+    released_outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def saved(self) -> list[Decision]:

@@ -31,7 +31,7 @@ from fxmem.nodes import transient_bytes
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
-__all__ = ["Timeline", "simulate"]
+__all__ = ["Timeline", "let_go", "simulate"]
 
 
 @dataclass
@@ -74,9 +74,8 @@ def simulate(
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = jg.primal_storages
-    outputs = [i for i in jg.fwd_outputs if i not in jg.released_outputs] + jg.bwd_outputs
-    pinned_end = {storage[i] for i in outputs if storage[i] >= 0}
-    released = {storage[i] for i in jg.released_outputs if storage[i] >= 0} - pinned_end - static
+    pinned_end = _pinned_to_end(jg)
+    released = let_go(jg)
     saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
@@ -215,6 +214,21 @@ def simulate(
         recomputed_interval=recomputed_interval,
         emitted=None if order == emitted else emitted[boundary:],
     )
+
+
+def _pinned_to_end(jg: JointGraph) -> set[int]:
+    """Storages alive to the step's end: what it returns (unless the caller lets it go before
+    the backward) and the gradients."""
+    outputs = [i for i in jg.fwd_outputs if i not in jg.released_outputs] + jg.bwd_outputs
+    return {jg.storage[i] for i in outputs if jg.storage[i] >= 0}
+
+
+def let_go(jg: JointGraph) -> set[int]:
+    """Storages of what the step returns that the caller lets go before the backward
+    (`keep_outputs=False`): alive to the forward's end, or as long as the backward reads them
+    when saved; not those of parameters or inputs, nor those another output keeps."""
+    released = {jg.storage[i] for i in jg.released_outputs if jg.storage[i] >= 0}
+    return released - _pinned_to_end(jg) - jg.primal_storages
 
 
 def _extend_through_unstored(

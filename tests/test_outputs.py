@@ -55,31 +55,37 @@ def test_hooks_see_the_extra_outputs_and_the_caller_does_not():
 class _LM(nn.Module):
     """An LM head returning its logits beside the loss, as HF's *ForCausalLM do."""
 
-    def __init__(self, vocab: int = 2048, d: int = 64):
+    def __init__(self, vocab: int = 2048, d: int = 64, loss_first: bool = True):
         super().__init__()
+        self.loss_first = loss_first
         self.emb = nn.Embedding(vocab, d)
         self.body = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         self.head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.head(self.body(self.emb(idx)))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)), logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return (loss, logits) if self.loss_first else (logits, loss)
 
 
-def _lm():
+def _lm(loss_first: bool = True):
     torch.manual_seed(0)
-    model = _LM()
+    model = _LM(loss_first=loss_first)
     idx = torch.randint(0, 2048, (4, 256))
     return model, (idx, torch.roll(idx, -1, dims=1))
 
 
+def _loss(out):
+    return min(out, key=torch.Tensor.numel)
+
+
 def _keeping_the_loss(model, *batch):
-    model(*batch)[0].backward()
+    _loss(model(*batch)).backward()
 
 
 def _holding_the_output(model, *batch):
     out = model(*batch)
-    out[0].backward()
+    _loss(out).backward()
     return out
 
 
@@ -138,3 +144,28 @@ def test_keep_outputs_must_be_a_bool():
         fxmem.optimize(model, 1.0, keep_outputs="no")
     with pytest.raises(TypeError, match="keep_outputs"):
         Options.from_dict({"budget_gb": 1.0, "keep_outputs": 0})
+
+
+def test_a_held_output_is_caught_wherever_the_step_returns_it():
+    """The logits returned before the loss: their hook runs first, and they still count."""
+    model, batch = _lm(loss_first=False)
+    floor = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", keep_outputs=False).plan.floor_bytes
+    budget = int(floor * 1.005)
+    m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler="eager", keep_outputs=False)
+    assert [pos for pos, _, _ in m.plan.released_outputs] == [0, 1]  # the logits, then the loss
+    zero_grads(model)
+    _, warned = _held_warnings(_keeping_the_loss, m, *batch)
+    assert not warned
+    zero_grads(model)
+    _, warned = _held_warnings(_holding_the_output, m, *batch)
+    assert len(warned) == 1
+
+
+def test_a_saved_plan_applies_only_with_the_keep_outputs_it_was_made_with(tmp_path):
+    model, batch = _lm()
+    plan = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", keep_outputs=False).plan
+    plan.save(tmp_path, files=False)
+    with pytest.raises(fxmem.PlanMismatchError, match="keep_outputs=False"):
+        fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", plan=tmp_path)
+    m = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", plan=tmp_path, keep_outputs=False)
+    assert m.plan.keep_outputs is False and m.plan.released_outputs == plan.released_outputs
