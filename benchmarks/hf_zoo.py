@@ -32,7 +32,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fxmem  # noqa: E402
-from benchmarks._harness import compiled_err, eager_at, floor_of, fxmem_at  # noqa: E402
+from benchmarks._harness import compiled_err, eager_at, floor_of, free_memory, fxmem_at  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 
 __all__ = ["main"]
@@ -234,7 +234,10 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
 
 
 def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bool = True) -> dict:
-    """One model; its buffers (batch norm's statistics) are put back before every step."""
+    """One model; its buffers (batch norm's statistics) are put back before every step. What
+    an earlier model left to the cycle collector (Dynamo's graphs keep their module alive in
+    reference cycles) is collected first, so that no measurement counts it."""
+    free_memory("cpu")
     torch.manual_seed(0)
     model, batch = build()
     model.train()

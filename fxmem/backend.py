@@ -359,7 +359,10 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     step = checked(with_output_hooks(compiled, gm), gm)
     if opts.keep_outputs:
         return step
-    return warn_if_outputs_held(step, made, lambda budget: margin_for(budget, margin_fraction=opts.margin))
+    # The margin alone: the step outlives its module in caches beyond fxmem's reach, and
+    # opts.on_plan would keep the module (and its parameters) alive with it.
+    fraction = opts.margin
+    return warn_if_outputs_held(step, made, lambda budget: margin_for(budget, margin_fraction=fraction))
 
 
 def _compile_sliced_if_needed(

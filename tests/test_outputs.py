@@ -3,7 +3,9 @@ caller; a plan for a caller that keeps only the loss (`keep_outputs=False`), and
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -169,3 +171,15 @@ def test_a_saved_plan_applies_only_with_the_keep_outputs_it_was_made_with(tmp_pa
         fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", plan=tmp_path)
     m = fxmem.optimize(model, 1024.0, example_inputs=batch, compiler="eager", plan=tmp_path, keep_outputs=False)
     assert m.plan.keep_outputs is False and m.plan.released_outputs == plan.released_outputs
+
+
+def test_the_check_keeps_no_module_alive():
+    """The step outlives the module in Dynamo's cache (until reset); with the check on, that
+    must not keep the module and its parameters alive."""
+    model, batch = _lm()
+    m = fxmem.optimize(model, 1.0, example_inputs=batch, compiler="eager", keep_outputs=False)
+    _keeping_the_loss(m, *batch)
+    module, weight = weakref.ref(m), weakref.ref(model.head.weight)
+    del m, model
+    gc.collect()
+    assert module() is None and weight() is None
