@@ -417,10 +417,16 @@ def warm_up_at_floor(runner: Runner, model: nn.Module, floor: int, passes: tuple
     return c
 
 
-def floor_of(model: nn.Module, batch: Batch, passes: tuple[str, ...] | None, **options: Any) -> tuple[int | None, str]:
+def floor_of(
+    model: nn.Module,
+    batch: Batch,
+    passes: tuple[str, ...] | None,
+    keep_outputs: bool = KEEP_OUTPUTS,
+    **options: Any,
+) -> tuple[int | None, str]:
     """fxmem's floor for this model, read from the BudgetError an impossible budget raises."""
     try:
-        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, **{"keep_outputs": KEEP_OUTPUTS, **options})
+        fxmem.optimize(model, 1e-6, example_inputs=batch, passes=passes, keep_outputs=keep_outputs, **options)
     except fxmem.BudgetError as e:
         if passes == SLICED_PASSES and e.plan is not None and e.plan.batch_slices == 1:
             return None, "no block of this model can run over slices of the batch"

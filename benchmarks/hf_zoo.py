@@ -235,8 +235,8 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
 
 def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bool = True) -> dict:
     """One model; its buffers (batch norm's statistics) are put back before every step. What
-    an earlier model left to the cycle collector (Dynamo's graphs keep their module alive in
-    reference cycles) is collected first, so that no measurement counts it."""
+    an earlier model left to the cycle collector is collected first, so that no measurement
+    counts it."""
     free_memory("cpu")
     torch.manual_seed(0)
     model, batch = build()

@@ -357,12 +357,14 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     # Premises the passes took about module buffers; outputs they finish outside the step;
     # outputs the plan counted as let go before the backward.
     step = checked(with_output_hooks(compiled, gm), gm)
-    if opts.keep_outputs:
+    plan = made[-1]  # made while compiling: the plan the step runs
+    if opts.keep_outputs or plan.budget_bytes is None or not plan.released_outputs:
         return step
-    # The margin alone: the step outlives its module in caches beyond fxmem's reach, and
-    # opts.on_plan would keep the module (and its parameters) alive with it.
-    fraction = opts.margin
-    return warn_if_outputs_held(step, made, lambda budget: margin_for(budget, margin_fraction=fraction))
+    # Numbers only: the step outlives its module in caches beyond fxmem's reach (Dynamo's,
+    # transformers'), and must not keep the module's parameters alive through them.
+    margin = margin_for(plan.budget_bytes, margin_fraction=opts.margin)
+    room = max(0, plan.budget_bytes - margin - plan.predicted_peak_bytes)
+    return warn_if_outputs_held(step, plan.released_outputs, plan.budget_bytes, room)
 
 
 def _compile_sliced_if_needed(

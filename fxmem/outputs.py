@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxmem.plan import Plan, format_bytes
+from fxmem.plan import format_bytes
 
 __all__ = [
     "OutputHook",
@@ -96,45 +96,40 @@ def _held(ref: weakref.ref) -> bool:
 
 
 def warn_if_outputs_held(
-    step: Callable[..., Any], plans: Sequence[Plan], margin_of: Callable[[int], int]
+    step: Callable[..., Any], released: Sequence[Sequence[int]], budget_bytes: int, room: int
 ) -> Callable[..., Any]:
     """`step` (the backend's result, planned with `keep_outputs=False`) checking, as the
     backward of each call starts, whether the outputs its plan frees at the forward's end
-    (`Plan.released_outputs`; the last of `plans` is the one the step runs) are still held;
-    when they take more bytes than the plan left below its budget (`margin_of(budget)` kept
-    free besides), `OutputsHeldWarning`. A one-element output is not counted: the loss the
-    backward starts from is alive then. The check runs in a hook on every returned tensor that
-    requires grad, once, in the first to fire (that of this step's part of the backward); it
-    holds none of them. No budget, nothing released, or nothing that requires grad: no check."""
+    (`released`: `Plan.released_outputs`) are still held; when they take more than `room`
+    bytes (what the plan left free below `budget_bytes` besides its margin),
+    `OutputsHeldWarning`. A one-element output is not counted: the loss the backward starts
+    from is alive then. The check runs in a hook on every returned tensor that requires grad,
+    once, in the first to fire (that of this step's part of the backward); it holds none of
+    them."""
 
     # Dynamo calls its backend's result with the graph inputs as arguments.
     @functools.wraps(step)
     def run(*args: Any) -> Any:
         outputs = step(*args)
-        plan = plans[-1] if plans else None
-        if plan is None or plan.budget_bytes is None or not plan.released_outputs:
-            return outputs
         watched = [
             (weakref.ref(outputs[pos]), sid, nbytes)
-            for pos, sid, nbytes in plan.released_outputs
+            for pos, sid, nbytes in released
             if pos < len(outputs) and isinstance(outputs[pos], torch.Tensor)
         ]
-        room = max(0, plan.budget_bytes - margin_of(plan.budget_bytes) - plan.predicted_peak_bytes)
         checked = [False]
 
         def hook(_grad: torch.Tensor | None) -> None:
             if checked[0]:
                 return
             checked[0] = True
-            held = {sid: nbytes for ref, sid, nbytes in watched if _held(ref)}
-            if sum(held.values()) > room:
+            held = sum({sid: nbytes for ref, sid, nbytes in watched if _held(ref)}.values())
+            if held > room:
                 warnings.warn(
-                    f"fxmem: {format_bytes(sum(held.values()))} of what this step returned is still held as "
-                    f"its backward starts; its plan (keep_outputs=False) counted it as let go when the forward "
-                    f"ended and kept {format_bytes(room)} free below its budget of "
-                    f"{format_bytes(plan.budget_bytes)} besides its margin: the step can exceed that budget. "
-                    "Keep only the loss (drop the model's output before backward()), or plan with "
-                    "keep_outputs=True",
+                    f"fxmem: {format_bytes(held)} of what this step returned is still held as its backward "
+                    f"starts; its plan (keep_outputs=False) counted it as let go when the forward ended and "
+                    f"kept {format_bytes(room)} free below its budget of {format_bytes(budget_bytes)} besides "
+                    "its margin: the step can exceed that budget. Keep only the loss (drop the model's output "
+                    "before backward()), or plan with keep_outputs=True",
                     OutputsHeldWarning,
                     stacklevel=1,
                 )

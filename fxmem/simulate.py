@@ -3,7 +3,8 @@
 The step runs in the order `schedule` gives. Every storage is freed after its last reader;
 saved storages live from the forward into the backward; outputs (the loss, gradients) live to
 the end, or, what the step returns when the caller lets it go before the backward
-(`keep_outputs=False`), to the forward's end. Primal storages (parameters, buffers, inputs) are static: the caller adds them.
+(`keep_outputs=False`), to the forward's end. Primal storages (parameters, buffers, inputs) are
+static: the caller adds them.
 
 For a fusing compiler (inductor) the simulation follows its kernels rather than its ops: a
 value only fusible ops read is never stored, so its inputs live until its last reader (each
@@ -75,7 +76,7 @@ def simulate(
 
     static = jg.primal_storages
     pinned_end = _pinned_to_end(jg)
-    released = let_go(jg)
+    released = _let_go(jg, pinned_end)
     saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
@@ -227,8 +228,12 @@ def let_go(jg: JointGraph) -> set[int]:
     """Storages of what the step returns that the caller lets go before the backward
     (`keep_outputs=False`): alive to the forward's end, or as long as the backward reads them
     when saved; not those of parameters or inputs, nor those another output keeps."""
+    return _let_go(jg, _pinned_to_end(jg))
+
+
+def _let_go(jg: JointGraph, pinned_end: set[int]) -> set[int]:
     released = {jg.storage[i] for i in jg.released_outputs if jg.storage[i] >= 0}
-    return released - _pinned_to_end(jg) - jg.primal_storages
+    return released - pinned_end - jg.primal_storages
 
 
 def _extend_through_unstored(
