@@ -4,7 +4,7 @@ Which ops it generates into fused loops rather than calling a library for, which
 reader's kernel can compute again element by element, which values it writes to memory (read by
 a library call, a reduction, several kernels when recomputing inside each is not cheap), and
 where it folds an add into a matmul. Each rule was checked against inductor's generated code.
-Besides, one rewrite of the forward graph for it: random ops read their seeds from buffers, so
+Besides, one rewrite of the graphs it compiles: random ops read their seeds from buffers, so
 identical dropouts compile one kernel.
 """
 
@@ -463,7 +463,11 @@ def seeds_from_buffers(gm: fx.GraphModule) -> int:
     index into the op's kernel, so identical dropouts (one per layer, one per head group of a
     split attention) compile a kernel each that differs only in that number. Read through
     `rows`, the seed is an input like any other and one kernel serves them all. The values
-    drawn are the same: each op still gets seed `index` of the same tensor.
+    drawn are the same: each op still gets seed `index` of the same tensor. In the backward
+    (a dropout drawn again where the plan recomputes it) the opaque read also ends the kernel
+    before it, as the simulation has it (`inductor_lookup_seed` is not fusible there): read by
+    index, the draw joined the recomputed softmax's kernel, which then held the scores, the
+    random numbers, the softmax and the dropped-out weights at once.
     """
     graph = gm.graph
     lookups = graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)

@@ -198,6 +198,7 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         fw, bw = _emit(jg, choice, layout_opt)
         if fusing:
             seeds_from_buffers(fw)
+            seeds_from_buffers(bw)
         if req.on_plan is not None:
             req.on_plan(plan)
         return fw, bw
