@@ -98,6 +98,9 @@ class JointGraph:
     # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
     # that add is, reading their inputs there.
     folded: frozenset[int] = frozenset()
+    # Values a fusing compiler copies for each attention kernel that reads them, storing none
+    # (see kernels.copied_per_reader).
+    copied_per_reader: frozenset[int] = frozenset()
     # Forward outputs the caller lets go before the backward (`keep_outputs=False`), node ->
     # position among the step's outputs: the tensors it returns as they are (AOTAutograd's
     # plain outputs; not the bases of returned views), which then live to the forward's end.
@@ -214,6 +217,9 @@ class JointGraph:
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
         transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
+        copied = kernels.copied_per_reader(nodes, inputs, users, storage, materialized, fusible, inlinable)
+        for i in copied:
+            materialized[storage[i]] = False
         backward = [k == BWD for k in kind]
         stored_on_reuse = (
             kernels.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
@@ -227,6 +233,7 @@ class JointGraph:
             folded=frozenset(folded),
             inlinable=inlinable,
             stored_on_reuse=stored_on_reuse,
+            copied_per_reader=frozenset(copied),
             transient=transient,
             materialized=materialized,
             gm=gm,

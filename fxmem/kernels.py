@@ -22,6 +22,7 @@ from fxmem import _torch_private as tp
 __all__ = [
     "LAYOUT_COPY",
     "NEVER_WRITTEN_OVER",
+    "copied_per_reader",
     "is_fusible",
     "is_inlinable",
     "is_view_op",
@@ -178,6 +179,61 @@ def materialized_storages(
         elif any(not fusible[u] or op_name(nodes[u]) in _STRIDED_READS for u in users[i]) or not users[i]:
             mat[s] = True
     return mat
+
+
+# Library calls inductor hands each input in the layout they require (its `sdpa_constraint`):
+# on CPU an input it has not stored is copied into that layout for each call.
+_LAID_OUT_READERS = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+}
+
+
+def copied_per_reader(
+    nodes: list[fx.Node],
+    inputs: list[list[int]],
+    users: list[list[int]],
+    storage: list[int],
+    mat: list[bool],
+    fusible: list[bool],
+    inlinable: list[bool],
+) -> set[int]:
+    """Element-wise values on CPU, loaded from one buffer, that no library call reads but
+    attention kernels: inductor stores none of them. Each attention call that reads one gets
+    a copy in its own layout, made right before the call and freed after it, and what the
+    value is computed from lives until the last such call. A value recomputed in the backward
+    for the forward attention and read again by the attention's backward (HF Llama's values, a
+    contiguous copy of a slice of the fused projection) is two copies of a quarter of that
+    projection, and the whole projection lives from one call to the other. A value loaded from
+    more than one place (the rotary embedding of the queries: two halves, cos and sin) is
+    stored once when several ops read it (inductor's `realize_hint`). `mat` marks these
+    values stored (read by a library call); the caller unmarks them."""
+    holders: dict[int, int] = {}
+    for s in storage:
+        if s >= 0:
+            holders[s] = holders.get(s, 0) + 1
+    loads = [0] * len(nodes)  # loads in the element-wise code computing each value
+    copied: set[int] = set()
+    for i, n in enumerate(nodes):
+        s = storage[i]
+        if s < 0 or not inlinable or not inlinable[i]:
+            continue
+        loads[i] = sum(1 if mat[storage[j]] or not inlinable[j] else loads[j] for j in inputs[i] if storage[j] >= 0)
+        val = n.meta.get("val")
+        library = [u for u in users[i] if not fusible[u]]
+        if (
+            loads[i] <= 1
+            and holders[s] == 1  # no view of it: each reader reads the value itself
+            and library
+            and all(op_name(nodes[u]) in _LAID_OUT_READERS for u in library)
+            and not any(op_name(nodes[u]) in _STRIDED_READS for u in users[i])
+            and op_name(n) not in _WRITTEN_OUT
+            and not n.meta.get(LAYOUT_COPY)
+            and isinstance(val, torch.Tensor)
+            and val.device.type == "cpu"
+        ):
+            copied.add(i)
+    return copied
 
 
 def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backward: list[bool]) -> None:

@@ -89,6 +89,11 @@ def simulate(
     # What a storage costs while alive: nothing if a fusing compiler never writes it out.
     held = saved_sids | pinned_end | released
     cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
+    # In the backward, a returned value the caller let go is stored no more.
+    cost_b = list(cost)
+    for v in jg.copied_per_reader:
+        if storage[v] not in saved_sids | pinned_end:
+            cost_b[storage[v]] = 0
     rset = set(recomputed)
 
     def inlined(i: int) -> bool:
@@ -98,13 +103,25 @@ def simulate(
         kernels.stored_on_reuse)."""
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
+        if i in jg.copied_per_reader:
+            return True  # each attention call that reads it copies it (see `copies` below)
         readers = [u for u in jg.users[i] if jg.kind[u] == BWD or u in rset]
         if any(not jg.fusible[u] or storage[u] == storage[i] for u in readers):
             return False
         return len(readers) <= 1 or not jg.stored_on_reuse[i]
 
     if jg.fusible:
-        _extend_through_unstored(jg, order, boundary, last_f, last_b, cost, rset, inlined)
+        _extend_through_unstored(jg, order, boundary, last_f, last_b, (cost, cost_b), rset, inlined)
+    # The copy of an unstored value each attention call reads it through, alive for the call,
+    # per phase: what the step returns is stored in the forward (the caller may let it go
+    # before the backward, which then computes it again).
+    copies: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    for v in jg.copied_per_reader:
+        for phase, kept in enumerate((held, saved_sids | pinned_end)):
+            if storage[v] not in kept:
+                for u in jg.users[v]:
+                    if not jg.fusible[u]:
+                        copies[phase][u] = copies[phase].get(u, 0) + sbytes[storage[v]]
 
     frees: dict[int, list[int]] = {}
     end = len(order)
@@ -157,7 +174,8 @@ def simulate(
             # Recomputed values are written out in full, unless a fusing compiler can compute
             # them inside the kernels that read them (see `inlined`).
             own = s == storage[i]
-            charged[s] = cost[s] if own and (i not in rset or inlined(i)) else sbytes[s]
+            phase_cost = cost if t < boundary else cost_b
+            charged[s] = phase_cost[s] if own and (i not in rset or inlined(i)) else sbytes[s]
             for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
@@ -175,7 +193,8 @@ def simulate(
             cur += charged[s]
             if events is not None:
                 events.append((t, s, charged[s]))
-        extra = jg.transient[i] if jg.transient else 0  # inside the op: allocated, then freed
+        # inside the op: allocated, then freed
+        extra = (jg.transient[i] if jg.transient else 0) + copies[t >= boundary].get(i, 0)
         if extra and events is not None:
             events.append((t, -2 - i, extra))
             events.append((t, -2 - i, -extra))
@@ -242,7 +261,7 @@ def _extend_through_unstored(
     boundary: int,
     last_f: dict[int, int],
     last_b: dict[int, int],
-    cost: list[int],
+    costs: tuple[list[int], list[int]],
     rset: set[int],
     inlined: Callable[[int], bool],
 ) -> None:
@@ -257,7 +276,7 @@ def _extend_through_unstored(
     for t in reversed([t for t, i in enumerate(order) if candidate[i]]):
         i = order[t]
         s = storage[i]
-        if cost[s] or (t >= boundary and i in rset and not inlined(i)):
+        if costs[t >= boundary][s] or (t >= boundary and i in rset and not inlined(i)):
             continue
         last = last_f if t < boundary else last_b
         until = last.get(s, t)
