@@ -217,7 +217,7 @@ class JointGraph:
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
         transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
-        copied = kernels.copied_per_reader(nodes, inputs, users, storage, materialized, fusible, inlinable)
+        copied = kernels.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:
             materialized[storage[i]] = False
         backward = [k == BWD for k in kind]

@@ -189,15 +189,7 @@ _LAID_OUT_READERS = {
 }
 
 
-def copied_per_reader(
-    nodes: list[fx.Node],
-    inputs: list[list[int]],
-    users: list[list[int]],
-    storage: list[int],
-    mat: list[bool],
-    fusible: list[bool],
-    inlinable: list[bool],
-) -> set[int]:
+def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlinable: list[bool]) -> set[int]:
     """Element-wise values on CPU, loaded from one buffer, that no library call reads but
     attention kernels: inductor stores none of them. Each attention call that reads one gets
     a copy in its own layout, made right before the call and freed after it, and what the
@@ -207,7 +199,9 @@ def copied_per_reader(
     projection, and the whole projection lives from one call to the other. A value loaded from
     more than one place (the rotary embedding of the queries: two halves, cos and sin) is
     stored once when several ops read it (inductor's `realize_hint`). `mat` marks these
-    values stored (read by a library call); the caller unmarks them."""
+    values stored (read by a library call); the caller unmarks them. `graph`: (nodes, inputs,
+    users, storage)."""
+    nodes, inputs, users, storage = graph
     holders: dict[int, int] = {}
     for s in storage:
         if s >= 0:

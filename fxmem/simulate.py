@@ -86,14 +86,13 @@ def simulate(
     last_f.update((s, max(last_f.get(s, boundary - 1), boundary - 1)) for s in released)
     last_b = jg.last_reads(order, boundary)
 
-    # What a storage costs while alive: nothing if a fusing compiler never writes it out.
+    # What a storage costs while alive, per phase: nothing if a fusing compiler never writes it
+    # out. What the caller lets go is stored in the forward, which returns it, and no more in
+    # the backward, which may compute it again.
     held = saved_sids | pinned_end | released
-    cost = [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(sbytes)]
-    # In the backward, a returned value the caller let go is stored no more.
-    cost_b = list(cost)
-    for v in jg.copied_per_reader:
-        if storage[v] not in saved_sids | pinned_end:
-            cost_b[storage[v]] = 0
+    kept_b = saved_sids | pinned_end
+    cost = _costs(jg, held)
+    costs = (cost, _costs(jg, kept_b) if released else cost)
     rset = set(recomputed)
 
     def inlined(i: int) -> bool:
@@ -111,17 +110,8 @@ def simulate(
         return len(readers) <= 1 or not jg.stored_on_reuse[i]
 
     if jg.fusible:
-        _extend_through_unstored(jg, order, boundary, last_f, last_b, (cost, cost_b), rset, inlined)
-    # The copy of an unstored value each attention call reads it through, alive for the call,
-    # per phase: what the step returns is stored in the forward (the caller may let it go
-    # before the backward, which then computes it again).
-    copies: tuple[dict[int, int], dict[int, int]] = ({}, {})
-    for v in jg.copied_per_reader:
-        for phase, kept in enumerate((held, saved_sids | pinned_end)):
-            if storage[v] not in kept:
-                for u in jg.users[v]:
-                    if not jg.fusible[u]:
-                        copies[phase][u] = copies[phase].get(u, 0) + sbytes[storage[v]]
+        _extend_through_unstored(jg, order, boundary, last_f, last_b, costs, rset, inlined)
+    copies = (_copies(jg, held), _copies(jg, kept_b))
 
     frees: dict[int, list[int]] = {}
     end = len(order)
@@ -174,8 +164,7 @@ def simulate(
             # Recomputed values are written out in full, unless a fusing compiler can compute
             # them inside the kernels that read them (see `inlined`).
             own = s == storage[i]
-            phase_cost = cost if t < boundary else cost_b
-            charged[s] = phase_cost[s] if own and (i not in rset or inlined(i)) else sbytes[s]
+            charged[s] = costs[t >= boundary][s] if own and (i not in rset or inlined(i)) else sbytes[s]
             for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
@@ -234,6 +223,26 @@ def simulate(
         recomputed_interval=recomputed_interval,
         emitted=None if order == emitted else emitted[boundary:],
     )
+
+
+def _costs(jg: JointGraph, held: set[int]) -> list[int]:
+    """Per storage, its bytes while alive: nothing if a fusing compiler never writes it out
+    and the plan does not hold it (`held`: saved, returned)."""
+    return [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(jg.storage_bytes)]
+
+
+def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
+    """Per attention call, the bytes of the copies a fusing compiler makes for it of the
+    values it reads that are not stored (`kernels.copied_per_reader`; `held`: stored), alive
+    for the call."""
+    out: dict[int, int] = {}
+    for v in jg.copied_per_reader:
+        s = jg.storage[v]
+        if s not in held:
+            for u in jg.users[v]:
+                if not jg.fusible[u]:
+                    out[u] = out.get(u, 0) + jg.storage_bytes[s]
+    return out
 
 
 def _pinned_to_end(jg: JointGraph) -> set[int]:
