@@ -4,8 +4,7 @@ Which ops it generates into fused loops rather than calling a library for, which
 reader's kernel can compute again element by element, which values it writes to memory (read by
 a library call, a reduction, several kernels when recomputing inside each is not cheap), and
 where it folds an add into a matmul. Each rule was checked against inductor's generated code.
-Besides, one rewrite of the graphs it compiles: random ops read their seeds from buffers, so
-identical dropouts compile one kernel.
+(The opaque copies fxmem writes into the graphs it compiles are in `fxmem.opaque`.)
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ __all__ = [
     "materialized_storages",
     "op_name",
     "reach",
-    "rows",
-    "seeds_from_buffers",
     "store_reused",
     "stored_on_reuse",
 ]
@@ -488,48 +485,3 @@ def reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int
             seen.add(j)
             yield j
             stack.extend(onward(j))
-
-
-@torch.library.custom_op("fxmem::rows", mutates_args=())
-def rows(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """A copy of rows start .. start + length of `x`, in a buffer of its own.
-
-    An opaque op to a fusing compiler, so the kernels that read it read from the start of that
-    buffer: read through a slice, the offset is written into each reader's code, and each
-    offset compiles a kernel of its own where one serves them all.
-    """
-    return x.narrow(0, start, length).clone()
-
-
-@rows.register_fake
-def _(x, start, length):
-    return x.new_empty((length, *x.shape[1:]))
-
-
-def seeds_from_buffers(gm: fx.GraphModule) -> int:
-    """Make each of inductor's random ops read its seed from a buffer of its own; returns how many.
-
-    Inductor gives every random op of a graph an index into one tensor of seeds and writes that
-    index into the op's kernel, so identical dropouts (one per layer, one per head group of a
-    split attention) compile a kernel each that differs only in that number. Read through
-    `rows`, the seed is an input like any other and one kernel serves them all. The values
-    drawn are the same: each op still gets seed `index` of the same tensor. In the backward
-    (a dropout drawn again where the plan recomputes it) the opaque read also ends the kernel
-    before it, as the simulation has it (`inductor_lookup_seed` is not fusible there): read by
-    index, the draw joined the recomputed softmax's kernel, which then held the scores, the
-    random numbers, the softmax and the dropped-out weights at once.
-    """
-    graph = gm.graph
-    lookups = graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)
-    for node in lookups:
-        seeds, index = node.args
-        with graph.inserting_before(node):
-            row = graph.call_function(torch.ops.fxmem.rows.default, (seeds, index, 1))
-            seed = graph.call_function(torch.ops.aten.view.default, (row, []))
-        row.meta = {**node.meta, "val": tp.fake_rerun(row)}
-        seed.meta = dict(node.meta)
-        node.replace_all_uses_with(seed)
-        gm.graph.erase_node(node)
-    if lookups:
-        gm.recompile()
-    return len(lookups)

@@ -43,8 +43,9 @@ from fxmem.cleanup import (
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
 from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import FWD, PRIMAL, JointGraph
-from fxmem.kernels import is_fusible, is_view_op, seeds_from_buffers
+from fxmem.kernels import is_fusible, is_view_op
 from fxmem.nodes import module_path, source_line
+from fxmem.opaque import seeds_from_buffers
 from fxmem.plan import Decision, Plan
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory

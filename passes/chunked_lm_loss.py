@@ -43,7 +43,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from fxmem.kernels import rows as copy_rows
+from fxmem.opaque import rows as copy_rows
 from fxmem.ops import example_value, static_shape
 from fxmem.outputs import output_values, return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf

@@ -1,0 +1,62 @@
+"""Opaque copies written into the graphs a fusing compiler (inductor) compiles.
+
+`rows` copies rows of a tensor in an op inductor cannot see through, so the kernels reading the
+copy read from the start of a buffer of their own rather than at an offset written into their
+code: kernels that differed only in that offset become one. `seeds_from_buffers` reads each
+random op's seed so (identical dropouts compile one kernel); `chunked_lm_loss` reads each
+chunk's targets so.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxmem import _torch_private as tp
+
+__all__ = ["rows", "seeds_from_buffers"]
+
+
+@torch.library.custom_op("fxmem::rows", mutates_args=())
+def rows(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """A copy of rows start .. start + length of `x`, in a buffer of its own.
+
+    An opaque op to a fusing compiler, so the kernels that read it read from the start of that
+    buffer: read through a slice, the offset is written into each reader's code, and each
+    offset compiles a kernel of its own where one serves them all.
+    """
+    return x.narrow(0, start, length).clone()
+
+
+@rows.register_fake
+def _(x, start, length):
+    return x.new_empty((length, *x.shape[1:]))
+
+
+def seeds_from_buffers(gm: fx.GraphModule) -> int:
+    """Make each of inductor's random ops read its seed from a buffer of its own; returns how many.
+
+    Inductor gives every random op of a graph an index into one tensor of seeds and writes that
+    index into the op's kernel, so identical dropouts (one per layer, one per head group of a
+    split attention) compile a kernel each that differs only in that number. Read through
+    `rows`, the seed is an input like any other and one kernel serves them all. The values
+    drawn are the same: each op still gets seed `index` of the same tensor. In the backward
+    (a dropout drawn again where the plan recomputes it) the opaque read also ends the kernel
+    before it, as the simulation has it (`inductor_lookup_seed` is not fusible there): read by
+    index, the draw joined the recomputed softmax's kernel, which then held the scores, the
+    random numbers, the softmax and the dropped-out weights at once.
+    """
+    graph = gm.graph
+    lookups = graph.find_nodes(op="call_function", target=torch.ops.prims.inductor_lookup_seed.default)
+    for node in lookups:
+        seeds, index = node.args
+        with graph.inserting_before(node):
+            row = graph.call_function(torch.ops.fxmem.rows.default, (seeds, index, 1))
+            seed = graph.call_function(torch.ops.aten.view.default, (row, []))
+        row.meta = {**node.meta, "val": tp.fake_rerun(row)}
+        seed.meta = dict(node.meta)
+        node.replace_all_uses_with(seed)
+        gm.graph.erase_node(node)
+    if lookups:
+        gm.recompile()
+    return len(lookups)
