@@ -179,6 +179,7 @@ def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
         loss.backward()
         return loss.detach()
 
+    _, ref = _eager_reference(model, kwargs)
     with pytest.raises(fxmem.BudgetError) as err:
         fxmem.optimize(model, 1e-6, example_inputs=kwargs, keep_outputs=False)
     floor = err.value.floor_bytes
@@ -191,3 +192,4 @@ def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
     predicted = m.plan.predicted_peak_bytes
     assert got.peak_bytes <= m.plan.budget_bytes
     assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
+    assert max_rel_err(grads_of(model), ref) < 1e-4
