@@ -42,6 +42,7 @@ __all__ = [
     "is_sym_node",
     "is_tangent",
     "logging_calls_skipped",
+    "meta_for",
     "must_be_in_backward",
     "real_tensors",
     "register_log_name",
@@ -135,6 +136,19 @@ def fake_rerun(node: torch.fx.Node, value_of: Callable[[torch.fx.Node], Any] | N
     mode = detect_fake_mode([a.meta["val"] for a in node.all_input_nodes])
     with mode:
         return node.target(*args, **kwargs)
+
+
+# node.meta of the op that made it: the fake inputs a custom op was traced with, which inductor
+# matches against that op's schema when it lowers the node.
+_OP_META = ("eager_input_vals",)
+
+
+def meta_for(new: torch.fx.Node, like: torch.fx.Node) -> dict[str, Any]:
+    """Meta for `new`, a node inserted to stand for `like` (its source, module, ...): `like`'s,
+    without what belongs to `like`'s op, with `new`'s own fake value."""
+    meta = {k: v for k, v in like.meta.items() if k not in _OP_META}
+    meta["val"] = fake_rerun(new)
+    return meta
 
 
 def extract_fwd_bwd(

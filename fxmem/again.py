@@ -199,7 +199,7 @@ def _store(graph: fx.Graph, node: fx.Node) -> fx.Node:
     out, as the saved one was."""
     with graph.inserting_after(node):
         stored = graph.call_function(torch.ops.fxmem.stored.default, (node,))
-    stored.meta = {**node.meta, "val": tp.fake_rerun(stored)}
+    stored.meta = tp.meta_for(stored, node)
     node.replace_all_uses_with(stored, delete_user_cb=lambda u: u is not stored)
     return stored
 

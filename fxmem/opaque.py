@@ -53,8 +53,8 @@ def seeds_from_buffers(gm: fx.GraphModule) -> int:
         with graph.inserting_before(node):
             row = graph.call_function(torch.ops.fxmem.rows.default, (seeds, index, 1))
             seed = graph.call_function(torch.ops.aten.view.default, (row, []))
-        row.meta = {**node.meta, "val": tp.fake_rerun(row)}
-        seed.meta = dict(node.meta)
+        row.meta = tp.meta_for(row, node)
+        seed.meta = tp.meta_for(seed, node)
         node.replace_all_uses_with(seed)
         gm.graph.erase_node(node)
     if lookups:

@@ -218,3 +218,36 @@ def test_below_the_floor_with_backward_copies_the_graph_without_them_is_planned(
     assert not reused.plan.backward_copies
     assert reused.plan.saved_nodes == m.plan.saved_nodes
     assert reused.plan.timeline["events"] == m.plan.timeline["events"]
+
+
+@torch.library.custom_op("fxmem_test::product", mutates_args=())
+def _product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * y
+
+
+@_product.register_fake
+def _(x, y):
+    return torch.empty_like(x)
+
+
+def test_a_custom_ops_value_rebuilt_in_the_backward_is_stored_and_compiles():
+    """A value computed a second time is read through `fxmem::stored`. When a custom op made it
+    (Mixtral's grouped expert matmul, `transformers::grouped_mm_fallback`), the inputs that op
+    was traced with are its node's alone: inductor matches them against the schema of the op it
+    lowers, and `stored` carrying them failed to compile."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxmem.again import _store
+
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    gm = make_fx(lambda x, y: (torch.ops.fxmem_test.product(x.sin(), y).cos(),), tracing_mode="fake")(x, y)
+    (made,) = gm.graph.find_nodes(op="call_function", target=torch.ops.fxmem_test.product.default)
+    # as dynamo records a custom op's call: its fake inputs
+    made.meta["eager_input_vals"] = (tuple(a.meta["val"] for a in made.args), {})
+    stored = _store(gm.graph, made)
+    assert "eager_input_vals" not in stored.meta
+    assert stored.meta["val"].shape == (4, 8)
+    gm.recompile()
+    (out,) = compile_fx_inner(gm, [x, y])([x, y])  # lowers this very graph, its nodes' meta too
+    assert torch.allclose(out, (x.sin() * y).cos())
