@@ -369,20 +369,24 @@ def store_reused(
 def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> bool:
     """Whether what node `i`'s readers compute inline from it ends in one element-wise value
     written out, in a loop nest of the same sizes as `i`'s own: the loop writing that value
-    computes `i` too, and no other loop reads `i`. On CPU, where the nests differ, `i`'s loop
-    writes it to a buffer the other reads (a batch norm's output, whose loop runs over N*H*W
-    and C, read by a SiLU's gradient that adds a mean pooling's gradient: N, H*W and C).
-    Inductor's GPU kernels fuse loops over as many elements whatever their sizes."""
+    computes `i` too, and no other loop reads `i`. A concatenation's input is written out, into
+    the concatenation's buffer (the SiLU gradient of fused gate and up projections, beside the
+    up projection's gradient). On CPU, where the nests differ, `i`'s loop writes it to a buffer
+    the other reads (a batch norm's output, whose loop runs over N*H*W and C, read by a SiLU's
+    gradient that adds a mean pooling's gradient: N, H*W and C). Inductor's GPU kernels fuse loops over as many elements whatever their sizes."""
     nodes, inputs, users, storage = graph
 
+    def written(u: int) -> bool:  # to a buffer of its own, or to its part of a concatenation's
+        return mat[storage[u]] or any(op_name(nodes[r]) == "cat" for r in users[u])
+
     def inline(u: int) -> list[int]:  # readers of a value computed inline, not written out
-        return users[u] if inlinable[u] and storage[u] >= 0 and not mat[storage[u]] else []
+        return users[u] if inlinable[u] and storage[u] >= 0 and not written(u) else []
 
     ends: set[int] = set()
     for u in reach(users[i], inline):
         if not inlinable[u] or storage[u] < 0:
             return False  # a reduction or a library call reads it
-        if mat[storage[u]]:
+        if written(u):
             ends.add(u)
             if len(ends) > 1:
                 return False

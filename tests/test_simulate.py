@@ -501,6 +501,23 @@ def test_a_value_read_twice_by_one_written_value_is_computed_in_its_loop():
         assert mat[sig] is keep, keep
 
 
+def test_a_value_read_twice_by_a_concatenated_value_is_computed_in_its_loop():
+    """The SiLU gradient of Llama's fused gate and up projections is concatenated with the up
+    projection's gradient: the loop writing it into the concatenation's buffer computes the
+    sigmoid too, whose buffer is dropped (counted, it put a Llama floor 3.7% above the
+    measured peak)."""
+
+    def f(x, grad, up_grad):
+        sig = torch.sigmoid(x)
+        dx = grad * sig * (1 + x * (1 - sig))
+        return torch.cat([dx, up_grad], dim=1) * 1.0
+
+    nodes, mat, sig = _written_out_after_reuse(f, *(torch.randn(8, 8) for _ in range(3)), of_input=False)
+    assert not mat[sig]
+    (cat,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.cat.default]
+    assert mat[cat]
+
+
 def _written_out_after_reuse(f, *args, of_input: bool) -> tuple[list, list[bool], int]:
     """The graph `f` traces to (taken as a backward's), which storages a fusing compiler writes
     out once the values several ops read are judged (`stored_on_reuse`, `store_reused`), and
