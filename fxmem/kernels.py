@@ -64,11 +64,36 @@ LAYOUT_COPY = "fxmem_layout_copy"
 
 
 def is_inlinable(node: fx.Node) -> bool:
-    """Fusible ops a reader's kernel can compute again element by element (not _STORED; an
-    output of a multi-output op, such as layer norm's mean, is inlinable when that op is)."""
+    """Fusible ops a reader's kernel can compute again element by element (not _STORED, save a
+    reduction over a few elements; an output of a multi-output op, such as layer norm's mean,
+    is inlinable when that op is)."""
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and is_inlinable(node.args[0])
-    return is_fusible(node) and op_name(node) not in _STORED and not node.meta.get(LAYOUT_COPY)
+    if node.meta.get(LAYOUT_COPY) or not is_fusible(node):
+        return False
+    return op_name(node) not in _STORED or _unrolled(node)
+
+
+# Reductions inductor writes out as element-wise loops, summing each output's few inputs in
+# turn (`unroll_reductions_threshold`), when they reduce fewer than this many elements into
+# more than one output (on CPU; on a GPU, into one output too).
+_SIMPLE_REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "any", "all"}
+_UNROLLED_BELOW = 8
+
+
+def _unrolled(node: fx.Node) -> bool:
+    """Whether inductor computes reduction `node` element by element: a sum over the few heads
+    that share a key (Falcon's key gradients), computed in each reader's kernel."""
+    if op_name(node) not in _SIMPLE_REDUCTIONS or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    val, src = node.meta.get("val"), node.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return False
+    out, total = val.numel(), src.numel()
+    if not isinstance(out, int) or not isinstance(total, int) or out == 0:
+        return False  # symbolic sizes: inductor unrolls only known ones
+    reduced = total // out
+    return reduced == 1 or (reduced < _UNROLLED_BELOW and (out > 1 or val.device.type != "cpu"))
 
 
 def is_fusible(node: fx.Node) -> bool:

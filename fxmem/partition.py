@@ -264,7 +264,8 @@ def _emit(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphMod
         elif jg.kind[i] == FWD and jg.is_sym[i]:
             saved_syms.append(node)
         elif jg.kind[i] == FWD and choice.saved[i]:
-            saved_values.append(node)
+            saved_values.append(_viewed(jg, node))
+    saved_values = list(dict.fromkeys(saved_values))
     if layout_opt:
         forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k in (PRIMAL, FWD)]
         backward = {jg.nodes[i] for i in readers}
@@ -276,6 +277,22 @@ def _emit(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphMod
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return fw, bw
+
+
+def _viewed(jg: JointGraph, node: fx.Node) -> fx.Node:
+    """The value a saved view views (through views), which the forward returns instead; the
+    backward takes the view again (views cost nothing). Inductor returns a view it cannot
+    express as its input's storage with strides (a batch-merging view of an expanded value, as
+    a grouped attention's keys read by a batched matmul) as a copy, held from the forward to
+    the backward, where the plan counts the storage it views. A view whose shape reads another
+    value stays saved as it is."""
+    sid = jg.storage[jg.index[node]]
+    while is_view_op(node) and node.all_input_nodes == [node.args[0]]:
+        base = jg.index[node.args[0]]
+        if jg.storage[base] != sid or jg.kind[base] not in (FWD, PRIMAL):
+            break
+        node = node.args[0]
+    return node
 
 
 def _ordered_as(gm: fx.GraphModule, names: list[str], fusing: bool) -> fx.GraphModule:

@@ -104,8 +104,9 @@ def simulate(
             return False
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
-        readers = [u for u in jg.users[i] if jg.kind[u] == BWD or u in rset]
-        if any(not jg.fusible[u] or storage[u] == storage[i] for u in readers):
+        # Read through a view, it is computed in the view's readers.
+        readers = [u for u in jg.readers_through_views[i] if jg.kind[u] == BWD or u in rset]
+        if any(not jg.fusible[u] for u in readers):
             return False
         return len(readers) <= 1 or not jg.stored_on_reuse[i]
 
@@ -161,10 +162,11 @@ def simulate(
             alive.add(s)
             alloc_at[s] = t
             made_by[s] = i
-            # Recomputed values are written out in full, unless a fusing compiler can compute
-            # them inside the kernels that read them (see `inlined`).
+            # Recomputed values are written out in full in the backward, unless a fusing
+            # compiler can compute them inside the kernels that read them (see `inlined`); the
+            # forward is the same whatever the backward computes again.
             own = s == storage[i]
-            charged[s] = costs[t >= boundary][s] if own and (i not in rset or inlined(i)) else sbytes[s]
+            charged[s] = costs[t >= boundary][s] if own and (t < boundary or i not in rset or inlined(i)) else sbytes[s]
             for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
@@ -275,12 +277,14 @@ def _extend_through_unstored(
     inlined: Callable[[int], bool],
 ) -> None:
     """Keep the inputs of values a fusing compiler never stores alive until those values' last
-    readers: each reader's kernel computes the value again from them. So too for a reduction a
-    concatenation alone reads: inductor computes it into the concatenation's buffer, when it
-    makes that (per-chunk bias gradients, summed over the batch, concatenated per head); and for
-    a matmul folded into its reader's addmm, which runs where that add is (a tied LM head's
-    weight gradient, added to the embedding's at the end of the backward, holds the logits'
-    gradient and the head's input until then)."""
+    readers: each reader's kernel computes the value again from them (Falcon's key gradients,
+    summed over the heads that share a key, are computed where the gradients of all chunks are
+    concatenated, at the end of the attention's backward: each chunk's product of all heads
+    lives until then). So too for a reduction a concatenation alone reads: inductor computes it
+    into the concatenation's buffer, when it makes that (per-chunk bias gradients, summed over
+    the batch, concatenated per head); and for a matmul folded into its reader's addmm, which
+    runs where that add is (a tied LM head's weight gradient, added to the embedding's at the
+    end of the backward, holds the logits' gradient and the head's input until then)."""
     storage, candidate = jg.storage, jg.computed_in_readers
     for t in reversed([t for t, i in enumerate(order) if candidate[i]]):
         i = order[t]

@@ -21,6 +21,7 @@ from fxmem import cost, partition, planner
 from fxmem.graph import JointGraph
 from fxmem.kernels import (
     is_inlinable,
+    is_view_op,
     kernel_ops,
     materialized_storages,
     store_reused,
@@ -64,10 +65,12 @@ def test_planned_schedule_matches_emitted_graphs(monkeypatch, budget_gb):
         budget_gb = _floor_gb(model, batch)
     step(fxmem.optimize(model, budget_gb, compiler="eager", example_inputs=batch), *batch)
     (jg, choice, fw, bw) = seen[-1]
-    emitted = [n.name for n in bw.graph.nodes if n.op == "call_function"]
     tl = choice.timeline
     planned = [jg.nodes[i].name for i in tl.order[tl.boundary :] if jg.nodes[i].op == "call_function"]
-    assert planned == emitted
+    calls = [n for n in bw.graph.nodes if n.op == "call_function"]
+    # besides: views of saved values, taken again (the forward returns what they view)
+    assert all(is_view_op(n) for n in calls if n.name not in planned)
+    assert planned == [n.name for n in calls if n.name in planned]
     peak, _ = simulate_modules(fw, bw, jg_remap(jg))
     assert peak == tl.peak_bytes
     if budget_gb < 1:
@@ -516,6 +519,19 @@ def test_a_value_read_twice_by_a_concatenated_value_is_computed_in_its_loop():
     assert not mat[sig]
     (cat,) = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.cat.default]
     assert mat[cat]
+
+
+def test_a_reduction_over_a_few_elements_is_computed_in_its_readers():
+    """Inductor writes a sum over fewer than eight elements per output as element-wise loops
+    (Falcon's key gradients, summed over the four heads that share them); a longer one, or
+    one into a single value on CPU, is a reduction kernel that stores its result."""
+
+    def f(x):
+        return x.sum(1) * 2.0, x.sum(0) * 2.0, x[:1, :4].sum() * 2.0
+
+    nodes, _ = _aten_graph(f, torch.randn(64, 4))
+    sums = [n for n in nodes if n.target is torch.ops.aten.sum.dim_IntList or n.target is torch.ops.aten.sum.default]
+    assert [is_inlinable(n) for n in sums] == [True, False, False]
 
 
 def _written_out_after_reuse(f, *args, of_input: bool) -> tuple[list, list[bool], int]:
