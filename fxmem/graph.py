@@ -115,6 +115,7 @@ class JointGraph:
         storage_remap: dict[int, int] | None = None,
         fusing: bool = False,
         keep_outputs: bool = True,
+        channels_last: bool = False,
     ) -> JointGraph:
         nodes = [n for n in gm.graph.nodes if n.op != "output"]
         index = {n: i for i, n in enumerate(nodes)}
@@ -215,7 +216,7 @@ class JointGraph:
         if fusing:
             materialized = kernels.materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
-        transient = [workspace_bytes(n, fusing) + (0 if fusing else transient_bytes(n)) for n in nodes]
+        transient = [workspace_bytes(n, fusing, channels_last) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
         copied = kernels.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:

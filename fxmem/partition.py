@@ -132,7 +132,13 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
 
         def build(gm: fx.GraphModule) -> JointGraph:
             return JointGraph.build(
-                gm, num_fwd_outputs, cost, storage_remap, fusing=fusing, keep_outputs=req.keep_outputs
+                gm,
+                num_fwd_outputs,
+                cost,
+                storage_remap,
+                fusing=fusing,
+                keep_outputs=req.keep_outputs,
+                channels_last=layout_opt,
             )
 
         jg = build(joint)

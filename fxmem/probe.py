@@ -32,27 +32,35 @@ log = logging.getLogger(__name__)
 # backward, whose CPU kernels reorder contiguous inputs (as much as an input or output, more
 # than the output itself in a 3x3 convolution's backward), and the normalisations (CPU batch
 # norm's backward: a second buffer of its input's size). A fusing compiler decomposes the
-# normalisations and runs convolutions channels-last on CPU, where they reorder nothing.
+# normalisations; where it runs convolutions channels-last (inductor on CPU) most reorder
+# nothing, but a depthwise convolution's backward still takes scratch space (ConvNeXt's 7x7:
+# 3.1 MiB, as much as its input), so they are probed too, channels-last.
 _PROBED = ("scaled_dot_product",)
-_PROBED_UNFUSED = ("convolution", "native_batch_norm", "native_layer_norm", "native_group_norm")
+_CONVOLUTIONS = ("convolution",)
+_PROBED_UNFUSED = (*_CONVOLUTIONS, "native_batch_norm", "native_layer_norm", "native_group_norm")
 # A probe allocates its own inputs; beyond this it is not worth the time or the memory.
 _MAX_PROBE_BYTES = 512 * 2**20
 
 _cache: dict[tuple, int] = {}
 
 
-def workspace_bytes(node: fx.Node, fusing: bool = False) -> int:
+def workspace_bytes(node: fx.Node, fusing: bool = False, channels_last: bool = False) -> int:
     """Bytes `node`'s kernel allocates and frees inside itself (0 when not probed); `fusing`:
-    the graph is compiled by a fusing compiler (inductor) rather than run op by op."""
-    probed = _PROBED if fusing else _PROBED + _PROBED_UNFUSED
+    the graph is compiled by a fusing compiler (inductor) rather than run op by op;
+    `channels_last`: that compiler runs the graph's convolutions channels-last, on 4-d
+    arguments of that layout, whatever their traced strides."""
+    probed = (_PROBED + _CONVOLUTIONS if channels_last else _PROBED) if fusing else _PROBED + _PROBED_UNFUSED
     if node.op != "call_function" or not any(p in str(node.target) for p in probed):
         return 0
+    layout = (
+        torch.channels_last if fusing and channels_last and any(p in str(node.target) for p in _CONVOLUTIONS) else None
+    )
     try:
-        key = (str(node.target), _signature(node.args), _signature(node.kwargs), torch.get_num_threads())
+        key = (str(node.target), _signature(node.args), _signature(node.kwargs), torch.get_num_threads(), layout)
     except _Unprobeable:
         return 0
     if key not in _cache:
-        found = _run(node)
+        found = _run(node, layout)
         if found is None:  # not measurable now (a profiler is running): 0, and ask again later
             return 0
         _cache[key] = found
@@ -81,11 +89,15 @@ def _signature(obj: object) -> object:
     return obj
 
 
-def _real(obj: object, made: list[torch.Tensor]) -> object:
-    """A tensor of the node's shape, strides, dtype and device, filled with small values."""
+def _real(obj: object, made: list[torch.Tensor], layout: torch.memory_format | None = None) -> object:
+    """A tensor of the node's shape, strides, dtype and device (a 4-d one in `layout`, when
+    given), filled with small values."""
     if isinstance(obj, fx.Node):
         val = obj.meta["val"]
-        t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+        if layout is not None and val.ndim == 4:
+            t = torch.empty(tuple(val.shape), dtype=val.dtype, device=val.device, memory_format=layout)
+        else:
+            t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
         if t.is_floating_point():
             t.uniform_(-0.5, 0.5)
         else:
@@ -93,19 +105,21 @@ def _real(obj: object, made: list[torch.Tensor]) -> object:
         made.append(t)
         return t
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_real(o, made) for o in obj)
+        return type(obj)(_real(o, made, layout) for o in obj)
     if isinstance(obj, dict):
-        return {k: _real(v, made) for k, v in obj.items()}
+        return {k: _real(v, made, layout) for k, v in obj.items()}
     return obj
 
 
-def _probe_arguments(node: fx.Node, made: list[torch.Tensor]) -> tuple[tuple, dict]:
+def _probe_arguments(
+    node: fx.Node, made: list[torch.Tensor], layout: torch.memory_format | None = None
+) -> tuple[tuple, dict]:
     """Real arguments for a probe of `node`. Where the op reads dropout's random state from
     tensors (the attention backwards' `philox_seed` and `philox_offset`), the probe runs with
     dropout off: the kernels' scratch space does not depend on it, and those tensors, which the
     CUDA kernels read on the host outside graph capture, are host tensors that the fake values
     place on the device (read there as host memory, they crash the process)."""
-    args, kwargs = list(_real(node.args, made)), dict(_real(node.kwargs, made))
+    args, kwargs = list(_real(node.args, made, layout)), dict(_real(node.kwargs, made, layout))
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
     if any(n.startswith("philox_") for n in names):
@@ -127,17 +141,17 @@ def _outputs_bytes(out: object) -> int:
     return 0
 
 
-def _run(node: fx.Node) -> int | None:
+def _run(node: fx.Node, layout: torch.memory_format | None = None) -> int | None:
     if torch.autograd._profiler_enabled():
         return None  # the caller is profiling (fxmem.measure around a first call): no nesting
     with tp.real_tensors():  # planning runs under AOTAutograd's fake mode
-        return _run_real(node)
+        return _run_real(node, layout)
 
 
-def _run_real(node: fx.Node) -> int:
+def _run_real(node: fx.Node, layout: torch.memory_format | None = None) -> int:
     made: list[torch.Tensor] = []
     try:
-        args, kwargs = _probe_arguments(node, made)
+        args, kwargs = _probe_arguments(node, made, layout)
         if sum(t.untyped_storage().nbytes() for t in made) > _MAX_PROBE_BYTES:
             return 0
         device = made[0].device if made else torch.device("cpu")
