@@ -327,17 +327,6 @@ class JointGraph:
         return out
 
     @functools.cached_property
-    def readers_through_views(self) -> list[list[int]]:
-        """Per node: the nodes that read its value directly or through views of it (which read
-        it where their own readers run), the views left out."""
-        storage, users = self.storage, self.users
-        out = []
-        for i, s in enumerate(storage):
-            views = kernels.reach([i], lambda j, s=s: [u for u in users[j] if storage[u] == s] if s >= 0 else [])
-            out.append([u for j in views for u in users[j] if s < 0 or storage[u] != s])
-        return out
-
-    @functools.cached_property
     def computed_in_readers(self) -> list[bool]:
         """Per node: a value a fusing compiler computes again in each reader's kernel when it
         is not stored (element-wise, a reduction only a concatenation reads, a matmul folded

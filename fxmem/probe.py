@@ -49,14 +49,19 @@ def workspace_bytes(node: fx.Node, fusing: bool = False, channels_last: bool = F
     the graph is compiled by a fusing compiler (inductor) rather than run op by op;
     `channels_last`: that compiler runs the graph's convolutions channels-last, on 4-d
     arguments of that layout, whatever their traced strides."""
-    probed = (_PROBED + _CONVOLUTIONS if channels_last else _PROBED) if fusing else _PROBED + _PROBED_UNFUSED
-    if node.op != "call_function" or not any(p in str(node.target) for p in probed):
+    if node.op != "call_function":
         return 0
-    layout = (
-        torch.channels_last if fusing and channels_last and any(p in str(node.target) for p in _CONVOLUTIONS) else None
-    )
+    target = str(node.target)
+    convolution = any(p in target for p in _CONVOLUTIONS)
+    if fusing:
+        probed = any(p in target for p in _PROBED) or (convolution and channels_last)
+    else:
+        probed = any(p in target for p in _PROBED + _PROBED_UNFUSED)
+    if not probed:
+        return 0
+    layout = torch.channels_last if fusing and convolution else None
     try:
-        key = (str(node.target), _signature(node.args), _signature(node.kwargs), torch.get_num_threads(), layout)
+        key = (target, _signature(node.args), _signature(node.kwargs), torch.get_num_threads(), layout)
     except _Unprobeable:
         return 0
     if key not in _cache:

@@ -104,8 +104,11 @@ def simulate(
             return False
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
-        # Read through a view, it is computed in the view's readers.
-        readers = [u for u in jg.readers_through_views[i] if jg.kind[u] == BWD or u in rset]
+        # Its readers and its views' (a view of a value computed inline is computed inline).
+        s = storage[i]
+        readers = [
+            u for j in jg.storage_nodes[s] for u in jg.users[j] if storage[u] != s and (jg.kind[u] == BWD or u in rset)
+        ]
         if any(not jg.fusible[u] for u in readers):
             return False
         return len(readers) <= 1 or not jg.stored_on_reuse[i]

@@ -71,6 +71,21 @@ def _mistral(n_layer: int = 4):
     return _llama(n_layer, transformers.MistralConfig, transformers.MistralForCausalLM, sliding_window=64)
 
 
+def _falcon(n_layer: int = 4):
+    """Falcon's defaults: multi-query attention (one key and value for all heads), rotary."""
+    cfg = transformers.FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.FalconForCausalLM._from_config(cfg)
+
+
 def _build(name: str, n_layer: int = 4, batch: tuple[int, int] = BATCH):
     torch.manual_seed(0)
     model = {**MODELS, "mistral": _mistral}[name](n_layer)
@@ -212,17 +227,7 @@ def test_shared_keys_and_a_causal_mask_are_planned_exactly_under_inductor():
     of its readers and never stored. Before, the prediction was 6.6% under the measured peak,
     which was 4.4% higher."""
     torch.manual_seed(0)
-    cfg = transformers.FalconConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.FalconForCausalLM._from_config(cfg)
+    model = _falcon(n_layer=2)
     model.train()
     ids = torch.randint(0, VOCAB, BATCH)
     plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
