@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem import kernels
+from fxmem import buffers, kernels
 from fxmem.cost import CostModel
 from fxmem.nodes import _is_impure, _is_random, aliased_input, transient_bytes
 from fxmem.probe import workspace_bytes
@@ -93,13 +93,13 @@ class JointGraph:
     fusible: list[bool] = field(default_factory=list)
     # Of those, the ones a reader's kernel can compute again element by element (not reductions).
     inlinable: list[bool] = field(default_factory=list)
-    # Values a fusing compiler stores when several kernels read them (see kernels.stored_on_reuse).
+    # Values a fusing compiler stores when several kernels read them (see buffers.stored_on_reuse).
     stored_on_reuse: list[bool] = field(default_factory=list)
     # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
     # that add is, reading their inputs there.
     folded: frozenset[int] = frozenset()
     # Values a fusing compiler copies for each attention kernel that reads them, storing none
-    # (see kernels.copied_per_reader).
+    # (see buffers.copied_per_reader).
     copied_per_reader: frozenset[int] = frozenset()
     # Forward outputs the caller lets go before the backward (`keep_outputs=False`), node ->
     # position among the step's outputs: the tensors it returns as they are (AOTAutograd's
@@ -214,19 +214,19 @@ class JointGraph:
         materialized = [True] * len(storage_bytes)
         fusible, folded = kernels.kernel_ops(nodes, users) if fusing else ([], set())
         if fusing:
-            materialized = kernels.materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
+            materialized = buffers.materialized_storages(nodes, users, storage, len(storage_bytes), fusible, folded)
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
         transient = [workspace_bytes(n, fusing, channels_last) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
-        copied = kernels.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
+        copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:
             materialized[storage[i]] = False
         backward = [k == BWD for k in kind]
         stored_on_reuse = (
-            kernels.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
+            buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
         )
         if fusing:
-            kernels.store_reused(
+            buffers.store_reused(
                 (nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored_on_reuse
             )
         return cls(

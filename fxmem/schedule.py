@@ -4,7 +4,7 @@ The forward runs the forward nodes in graph order. The backward runs the backwar
 the first one that reads a gradient (a library call whose output outweighs what it frees waits
 for its first reader, see `JointGraph.deferred`), and brings in what each needs just before it
 needs it: forward values that were not saved are recomputed there, in graph order (this is the
-order the emitted backward graph has, see `partition._emit`). A fusing compiler (inductor) then
+order the emitted backward graph has, see `emit.emit_graphs`). A fusing compiler (inductor) then
 runs that graph its own way: an element-wise value a library call alone reads is computed right
 before that call (`as_realized`); a run of fusible ops is one kernel (`kernel_ends`); a
 multi-output library call writes all its outputs at once (`outputs_made_at`). `simulate` counts

@@ -11,7 +11,7 @@ value only fusible ops read is never stored, so its inputs live until its last r
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
-compute them inline (see `kernels.stored_on_reuse`); an element-wise value a library call alone
+compute them inline (see `buffers.stored_on_reuse`); an element-wise value a library call alone
 reads is computed right before that call, not where the graph has it (see
 `schedule.as_realized`). Kernels never merge across a library call: fxmem's compile keeps
 inductor from fusing kernels across one (see `_torch_private._fusion_choices`). Each
@@ -99,7 +99,7 @@ def simulate(
         """A recomputed value a fusing compiler never writes out: it is not materialised,
         and the fusible ops that read it in the backward each compute it inside their own
         kernel (a value several kernels read is stored when it is costly: see
-        kernels.stored_on_reuse)."""
+        buffers.stored_on_reuse)."""
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
         if i in jg.copied_per_reader:
@@ -238,7 +238,7 @@ def _costs(jg: JointGraph, held: set[int]) -> list[int]:
 
 def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
     """Per attention call, the bytes of the copies a fusing compiler makes for it of the
-    values it reads that are not stored (`kernels.copied_per_reader`; `held`: stored), alive
+    values it reads that are not stored (`buffers.copied_per_reader`; `held`: stored), alive
     for the call."""
     out: dict[int, int] = {}
     for v in jg.copied_per_reader:

@@ -23,13 +23,13 @@ DEEP_GPT = GPTConfig(vocab_size=2048, block_size=256, n_layer=3, n_head=2, n_emb
 
 def _capture(monkeypatch):
     seen = []
-    original = partition._emit
+    original = partition.emit_graphs
 
     def emit(jg, choice, *rest):
         seen.append((jg, choice))
         return original(jg, choice, *rest)
 
-    monkeypatch.setattr(partition, "_emit", emit)
+    monkeypatch.setattr(partition, "emit_graphs", emit)
     return seen
 
 

@@ -18,15 +18,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxmem
 from fxmem import _torch_private as tp
 from fxmem import cost, partition, planner
+from fxmem.buffers import materialized_storages, store_reused, stored_on_reuse
 from fxmem.graph import JointGraph
-from fxmem.kernels import (
-    is_inlinable,
-    is_view_op,
-    kernel_ops,
-    materialized_storages,
-    store_reused,
-    stored_on_reuse,
-)
+from fxmem.kernels import is_inlinable, is_view_op, kernel_ops
 from fxmem.nodes import _is_impure, _is_random, aliased_input
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
@@ -38,14 +32,14 @@ from fxmem.testing import GPT, GPTConfig, ViT, ViTBlock, ViTConfig, gpt_batch, v
 
 def _capture_emits(monkeypatch):
     seen = []
-    original = partition._emit
+    original = partition.emit_graphs
 
     def emit(jg, choice, *rest):
         fw, bw = original(jg, choice, *rest)
         seen.append((jg, choice, fw, bw))
         return fw, bw
 
-    monkeypatch.setattr(partition, "_emit", emit)
+    monkeypatch.setattr(partition, "emit_graphs", emit)
     return seen
 
 

@@ -1,0 +1,114 @@
+"""Emitting the planned boundary: the forward and backward graphs a `Choice` describes.
+
+Deciding is separate from doing: `partition` plans (which forward values are saved, in which
+order the backward runs); this file only applies the plan, letting torch cut the joint graph at
+exactly that boundary (anything unsaved that the backward needs is copied into it) and ordering
+the backward exactly as `simulate` ran it.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch.fx as fx
+
+from fxmem import _torch_private as tp
+from fxmem.cleanup import save_as_traced
+from fxmem.graph import FWD, PRIMAL, JointGraph
+from fxmem.kernels import is_fusible, is_view_op
+from fxmem.planner import Choice
+
+__all__ = ["emit_graphs"]
+
+
+def emit_graphs(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """The forward and backward graphs `choice` describes: the forward saves for the backward
+    what `choice` saves, and the backward runs in the order `simulate` ran it."""
+    recomputed = set(choice.timeline.recomputed)
+    readers = [i for i, k in enumerate(jg.kind) if k not in (FWD, PRIMAL) or i in recomputed]
+    needed = {j for i in readers for j in jg.inputs[i]}
+    saved_values, saved_syms = [], []
+    for i, node in enumerate(jg.nodes):
+        if i not in needed or i in recomputed:
+            continue
+        if jg.kind[i] == PRIMAL and jg.storage[i] >= 0:
+            saved_values.append(node)
+        elif jg.kind[i] == FWD and jg.is_sym[i]:
+            saved_syms.append(node)
+        elif jg.kind[i] == FWD and choice.saved[i]:
+            saved_values.append(_viewed(jg, node))
+    saved_values = list(dict.fromkeys(saved_values))
+    if layout_opt:
+        forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k in (PRIMAL, FWD)]
+        backward = {jg.nodes[i] for i in readers}
+        saved_values = save_as_traced(jg.gm, saved_values, forward, backward.__contains__)
+    fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
+    tl = choice.timeline
+    bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]], fusing=bool(jg.fusible))
+    for gm in (fw, bw):
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return fw, bw
+
+
+def _viewed(jg: JointGraph, node: fx.Node) -> fx.Node:
+    """The value a saved view views (through views), which the forward returns instead; the
+    backward takes the view again (views cost nothing). Inductor returns a view it cannot
+    express as its input's storage with strides (a batch-merging view of an expanded value, as
+    a grouped attention's keys read by a batched matmul) as a copy, held from the forward to
+    the backward, where the plan counts the storage it views. A view whose shape reads another
+    value stays saved as it is."""
+    sid = jg.storage[jg.index[node]]
+    while is_view_op(node) and node.all_input_nodes == [node.args[0]]:
+        base = jg.index[node.args[0]]
+        if jg.storage[base] != sid or jg.kind[base] not in (FWD, PRIMAL):
+            break
+        node = node.args[0]
+    return node
+
+
+def _ordered_as(gm: fx.GraphModule, names: list[str], fusing: bool) -> fx.GraphModule:
+    """`gm` with its nodes in the order `names` gives (placeholders first, output last).
+
+    A topological sort that, among the nodes whose inputs are ready, takes the one earliest in
+    `names`; a node `names` lacks (a view of a saved value, see cleanup.save_as_traced) goes
+    right before its first reader that `names` has, or after every named one. For a fusing
+    compiler, a view several nodes read, a library call among them, goes right after the value
+    it views (views cost nothing; the plan's order is otherwise kept): inductor writes a value
+    out when it meets such a view, and a kernel it met before then computes the value again
+    from its inputs instead of reading it (a softmax's gradient summed for a bias, read by two
+    matmuls through a view).
+    """
+    named = {name: k for k, name in enumerate(names)}
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    pos = {n: k for k, n in enumerate(nodes)}
+    rank: dict[fx.Node, tuple[int, int]] = {}
+    for n in reversed(nodes):
+        if n.name in named:
+            rank[n] = (named[n.name], 1)
+        else:  # right before its first reader
+            rank[n] = (min((rank[u][0] for u in n.users if u in rank), default=len(named)), 0)
+    for n in nodes:
+        base = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if fusing and base in rank and is_view_op(n) and len(n.users) > 1 and not all(is_fusible(u) for u in n.users):
+            rank[n] = rank[base]
+    waiting = {n: sum(1 for a in n.all_input_nodes if a in pos) for n in nodes}
+    ready = [(rank[n], pos[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        env[n] = graph.node_copy(n, env.__getitem__)
+    while ready:
+        *_, n = heapq.heappop(ready)
+        env[n] = graph.node_copy(n, env.__getitem__)
+        for u in n.users:
+            if u in waiting:
+                waiting[u] -= 1
+                if waiting[u] == 0:
+                    heapq.heappush(ready, (rank[u], pos[u], u))
+    if len(env) != len(nodes) + len(gm.graph.find_nodes(op="placeholder")):
+        raise RuntimeError("fxmem: the backward graph has a cycle")  # a bug, never the user's input
+    for n in gm.graph.find_nodes(op="output"):
+        graph.node_copy(n, env.__getitem__)
+    return fx.GraphModule(gm, graph)
