@@ -16,8 +16,10 @@ is: a value recomputed early in the backward (a residual, rebuilt for an MLP's b
 its block's attention) can hold what it is made of alive through a later peak, and saving it
 instead first raises the peak somewhere else, which the walk never accepts. So from each
 walk's lowest state, the planner saves one such value, keeps it saved, and walks on; the
-first that ends lower is taken and the search goes on from there (`_kicked`). It runs only for
-a budget below the walks' lowest peak.
+first that ends lower is taken and the search goes on from there (`_kicked`). Where no such
+value does, it swaps: one saved storage alive at the peak recomputed, one recomputed value
+saved instead, where that lowers the peak (`_swapped`), and walks on. It runs only for a
+budget below the walks' lowest peak.
 
 This is not a knapsack on summed saved bytes: every decision is judged by the peak over time
 that `simulate` reports, in bytes.
@@ -25,7 +27,7 @@ that `simulate` reports, in bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fxmem.graph import FWD, PRIMAL, TANGENT, JointGraph
@@ -325,10 +327,12 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
     The values tried are those read by a recomputed storage alive at the lowest state's peak
     that are recomputed themselves and not alive then: saving one lets the backward recompute
     what it is made of later, or not at all. Its peak may rise elsewhere first; the walk on
-    from there keeps it saved. The search simulates at most as often as the walk to `states`
-    did (`walked_for` times), or `_KICK_SIMULATIONS` times on a short walk: it costs at most
-    about as much planning time again. On large graphs (tens of thousands of nodes, where a
-    walk takes minutes) `_KICK_NODE_STEPS` bounds it lower."""
+    from there keeps it saved. Where none ends lower, a swap that lowers the peak at once
+    (`_swapped`) is walked on from, the value it saves kept saved. Kicks and swaps together
+    simulate at most as often as the walk to `states` did (`walked_for` times), or
+    `_KICK_SIMULATIONS` times on a short walk: they cost at most about as much planning time
+    again. On large graphs (tens of thousands of nodes, where a walk takes minutes)
+    `_KICK_NODE_STEPS` bounds it lower."""
     best = min(states, key=lambda c: c.timeline.peak_bytes)
     found: list[Choice] = []
     limit = _capped(jg, max(walked_for, _KICK_SIMULATIONS))
@@ -350,7 +354,63 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
                 found += walked
                 best, lowered = lowest, True
                 break
+        if lowered:
+            continue
+        swapped = _swapped(jg, best, effort)
+        if swapped is None:
+            return found
+        start, u = swapped
+        walked = [start] + _walk(jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0)[1:]
+        found += walked
+        best, lowered = min(walked, key=lambda c: c.timeline.peak_bytes), True
     return found
+
+
+def _swapped(jg: JointGraph, choice: Choice, effort: _Effort) -> tuple[Choice, int] | None:
+    """`choice` with one saved storage alive at its peak recomputed and one recomputed forward
+    value saved instead, the first such swap found that lowers the peak, and that value; None
+    if none does (or `effort` is spent first).
+
+    Two residuals of a ConvNeXt: the walk saved the first stage's and recomputes a later
+    one's; saving the later one lets the backward rebuild the first where it needs it, after
+    the peak. Neither an unsave nor a kick reaches it, since each half alone raises the peak.
+    The largest saved storages are tried first; for each, the values no larger than it, the
+    closest in size first (a residual for a residual); then the larger ones."""
+    tl = choice.timeline
+    members: dict[int, list[int]] = {}
+    for i, k in enumerate(jg.kind):
+        if k == FWD and choice.saved[i] and jg.storage[i] >= 0:
+            members.setdefault(jg.storage[i], []).append(i)
+    alive = [
+        s
+        for s, (a, f) in tl.saved_interval.items()
+        if a <= tl.peak_pos <= f and s in members and not any(jg.banned[i] for i in members[s])
+    ]
+    first: dict[int, int] = {}  # per recomputed storage saved nowhere, the node that makes it
+    for i in tl.recomputed:
+        s = jg.storage[i]
+        if jg.kind[i] == FWD and s >= 0 and s not in tl.saved_interval and not choice.saved[i]:
+            first[s] = min(first.get(s, i), i)
+    size = jg.storage_bytes
+    alive.sort(key=lambda s: (-size[s], s))
+
+    def pairs() -> Iterator[tuple[int, int]]:
+        for larger in (False, True):
+            for s in alive:
+                us = [u for su, u in first.items() if (size[su] > size[s]) == larger]
+                yield from ((s, u) for u in sorted(us, key=lambda u: (abs(size[s] - size[jg.storage[u]]), u)))
+
+    for s, u in pairs():
+        if not effort.spend():
+            return None
+        trial = choice.saved.copy()
+        trial[u] = True
+        for i in members[s]:
+            trial[i] = False
+        new_tl = _trial(jg, trial, tl.peak_bytes - 1)
+        if new_tl is not None:
+            return Choice(trial, new_tl), u
+    return None
 
 
 def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:

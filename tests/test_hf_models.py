@@ -156,17 +156,12 @@ def test_floor_below_where_the_walks_stall(monkeypatch):
     stall (`planner._kicked`) reaches below, and the budget at that floor holds, exactly."""
     import fxmem.planner
 
-    def floor_mib(model, kwargs) -> float:
-        with pytest.raises(fxmem.BudgetError) as err:
-            fxmem.optimize(model, 1e-6, example_inputs=kwargs, compiler="eager")
-        return err.value.floor_bytes / MiB
-
     model, kwargs = _build("llama", n_layer=3)
     eager, ref = _eager_reference(model, kwargs)  # alive from here on: in every floor below
-    floor = floor_mib(model, kwargs)
+    floor = _floor_mib(model, kwargs, "eager")
     with monkeypatch.context() as walks_only:
         walks_only.setattr(fxmem.planner, "_kicked", lambda *args: [])
-        stalled = floor_mib(model, kwargs)
+        stalled = _floor_mib(model, kwargs, "eager")
     assert floor < 0.98 * stalled, f"floor {floor:.3f} MiB, the walks alone {stalled:.3f} MiB"
 
     m = fxmem.optimize(model, floor / 1024, example_inputs=kwargs, compiler="eager")
@@ -175,6 +170,47 @@ def test_floor_below_where_the_walks_stall(monkeypatch):
     assert got.peak_bytes <= floor * MiB, f"measured {got.peak_bytes / MiB:.3f} MiB at a {floor:.3f} MiB budget"
     assert max_rel_err(grads_of(model), ref) < 1e-4
     assert torch.allclose(got.result, eager.result, rtol=1e-5)
+
+
+def _floor_mib(model, kwargs, compiler: str) -> float:
+    with pytest.raises(fxmem.BudgetError) as err:
+        fxmem.optimize(model, 1e-6, example_inputs=kwargs, compiler=compiler)
+    return err.value.floor_bytes / MiB
+
+
+def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
+    """Under inductor, the walks from ConvNeXt's plans end saving its first stage's residual
+    and recomputing a later stage's; saving the later one instead lets the backward rebuild
+    the first where it reads it, after the peak. Each half of that swap alone raises the peak,
+    so neither the walks nor a kick take it; `planner._swapped` does, and the floor is 5%
+    lower (asserted: at least 2%). The cost model's rates are fixed here, since the walks'
+    order depends on them (found so at flop rates from 5e10 to 1e12 per second and copy rates
+    from 2e9 to 1e10 bytes per second). The budget at that floor holds, as planned."""
+    import fxmem.partition
+    import fxmem.planner
+    from fxmem.cost import DeviceRates
+
+    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device: DeviceRates(1e11, 2**32))
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10)
+    model = transformers.ConvNextForImageClassification._from_config(config)
+    model.train()
+    kwargs = {"pixel_values": torch.randn(32, 3, 128, 128), "labels": torch.randint(0, 10, (32,))}
+    _, ref = _eager_reference(model, kwargs)
+    floor = _floor_mib(model, kwargs, "inductor")
+    with monkeypatch.context() as no_swaps:
+        no_swaps.setattr(fxmem.planner, "_swapped", lambda *args: None)
+        stalled = _floor_mib(model, kwargs, "inductor")
+    assert floor < 0.98 * stalled, f"floor {floor:.3f} MiB, without swaps {stalled:.3f} MiB"
+
+    m = fxmem.optimize(model, floor / 1024, compiler="inductor")
+    step(m, **kwargs)  # plans and compiles
+    zero_grads(model)
+    got = fxmem.measure(step, m, **kwargs)
+    predicted = m.plan.predicted_peak_bytes
+    assert got.peak_bytes <= floor * MiB, f"measured {got.peak_bytes / MiB:.3f} MiB at a {floor:.3f} MiB budget"
+    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
+    assert max_rel_err(grads_of(model), ref) < 1e-4
 
 
 def _loss_only_at_floor(model, kwargs):
