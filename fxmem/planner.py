@@ -77,13 +77,10 @@ def _initial_saved(jg: JointGraph) -> list[bool]:
 
 def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> list[_Move]:
     """Ways to lower the peak by unsaving one storage that is alive at the peak."""
-    alive = [s for s, (a, f) in tl.saved_interval.items() if a <= tl.peak_pos <= f and s not in tried]
+    alive = [s for s in _at_peak(tl, tl.saved_interval) if s not in tried]
     if not alive:
         return []
-    members: dict[int, list[int]] = {}
-    for i, k in enumerate(jg.kind):
-        if k == FWD and saved[i] and jg.storage[i] in tl.saved_interval:
-            members.setdefault(jg.storage[i], []).append(i)
+    members = _saved_members(jg, saved, tl)
     recomputed = set(tl.recomputed)
     saved_sids = set(tl.saved_interval)
     moves = []
@@ -124,6 +121,20 @@ def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> 
     return moves
 
 
+def _at_peak(tl: Timeline, intervals: dict[int, tuple[int, int]]) -> list[int]:
+    """The storages of `intervals` (storage -> (alloc step, free step)) alive at `tl`'s peak."""
+    return [s for s, (a, f) in intervals.items() if a <= tl.peak_pos <= f]
+
+
+def _saved_members(jg: JointGraph, saved: list[bool], tl: Timeline) -> dict[int, list[int]]:
+    """Per storage `tl` saves, the forward nodes of it that `saved` saves."""
+    members: dict[int, list[int]] = {}
+    for i, k in enumerate(jg.kind):
+        if k == FWD and saved[i] and jg.storage[i] in tl.saved_interval:
+            members.setdefault(jg.storage[i], []).append(i)
+    return members
+
+
 def _save_instead(jg: JointGraph, tl: Timeline, saved: list[bool], tried: set[int]) -> list[_Move]:
     """Ways to lower the peak by saving what a recomputed value alive at the peak is read by.
 
@@ -137,8 +148,8 @@ def _save_instead(jg: JointGraph, tl: Timeline, saved: list[bool], tried: set[in
     for i in tl.recomputed:
         groups.setdefault(jg.storage[i], []).append(i)
     moves = []
-    for sid, (a, f) in tl.recomputed_interval.items():
-        if not a <= tl.peak_pos <= f or sid in tried:
+    for sid in _at_peak(tl, tl.recomputed_interval):
+        if sid in tried:
             continue
         group = groups.get(sid, [])
         readers = {u for i in group for u in jg.users[i] if jg.storage[u] != sid and (u in rset or jg.kind[u] != FWD)}
@@ -360,7 +371,7 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
         if swapped is None:
             return found
         start, u = swapped
-        walked = [start] + _walk(jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0)[1:]
+        walked = _walk(jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0, timeline=start.timeline)
         found += walked
         best, lowered = min(walked, key=lambda c: c.timeline.peak_bytes), True
     return found
@@ -377,15 +388,8 @@ def _swapped(jg: JointGraph, choice: Choice, effort: _Effort) -> tuple[Choice, i
     The largest saved storages are tried first; for each, the values no larger than it, the
     closest in size first (a residual for a residual); then the larger ones."""
     tl = choice.timeline
-    members: dict[int, list[int]] = {}
-    for i, k in enumerate(jg.kind):
-        if k == FWD and choice.saved[i] and jg.storage[i] >= 0:
-            members.setdefault(jg.storage[i], []).append(i)
-    alive = [
-        s
-        for s, (a, f) in tl.saved_interval.items()
-        if a <= tl.peak_pos <= f and s in members and not any(jg.banned[i] for i in members[s])
-    ]
+    members = _saved_members(jg, choice.saved, tl)
+    alive = [s for s in _at_peak(tl, tl.saved_interval) if s in members and not any(jg.banned[i] for i in members[s])]
     first: dict[int, int] = {}  # per recomputed storage saved nowhere, the node that makes it
     for i in tl.recomputed:
         s = jg.storage[i]
@@ -418,7 +422,7 @@ def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:
     are not alive then themselves."""
     tl = choice.timeline
     recomputed = set(tl.recomputed)
-    alive = {s for s, (a, f) in tl.recomputed_interval.items() if a <= tl.peak_pos <= f}
+    alive = set(_at_peak(tl, tl.recomputed_interval))
     first: dict[int, int] = {}
     for s in sorted(alive):
         for i in jg.storage_nodes[s]:
@@ -436,14 +440,18 @@ def _walk(
     saved: list[bool] | None = None,
     kept: set[int] | None = None,
     retries: int = _RETRIES,
+    timeline: Timeline | None = None,
 ) -> list[Choice]:
     """States from `saved` (default: everything the backward reads) down, each lowering the
     peak or keeping it, until no move does or `effort` is spent (none, if it is spent before
-    the first); storages in `kept` are never unsaved."""
+    the first); storages in `kept` are never unsaved. `timeline`: `saved`'s, already
+    simulated (the first state then always is)."""
     saved = _initial_saved(jg) if saved is None else saved
-    if not effort.spend():
-        return []
-    tl = simulate(jg, saved)
+    if timeline is None:
+        if not effort.spend():
+            return []
+        timeline = simulate(jg, saved)
+    tl = timeline
     states = [Choice(saved, tl)]
     tried: set[int] = set()
     kept = set() if kept is None else set(kept)  # also storages saved by a _save_instead move

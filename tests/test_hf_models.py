@@ -188,14 +188,13 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     from 2e9 to 1e10 bytes per second). The budget at that floor holds, as planned."""
     import fxmem.partition
     import fxmem.planner
+    from benchmarks.hf_zoo import _models
     from fxmem.cost import DeviceRates
 
     monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device: DeviceRates(1e11, 2**32))
     torch.manual_seed(0)
-    config = transformers.ConvNextConfig(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10)
-    model = transformers.ConvNextForImageClassification._from_config(config)
+    model, kwargs = _models()["convnext"]()  # the zoo's: 32 images of 128 x 128
     model.train()
-    kwargs = {"pixel_values": torch.randn(32, 3, 128, 128), "labels": torch.randint(0, 10, (32,))}
     _, ref = _eager_reference(model, kwargs)
     floor = _floor_mib(model, kwargs, "inductor")
     with monkeypatch.context() as no_swaps:
