@@ -252,11 +252,13 @@ def test_planning_time_plans_a_model_at_budgets_between_its_floor_and_unconstrai
 
 def test_planning_time_plans_hf_architectures_for_their_floor():
     pytest.importorskip("transformers")
-    out = _run("planning_time.py", "--zoo", "bloom")
+    out = _run("planning_time.py", "--zoo", "bloom,bloom")
     assert out.returncode == 0, out.stderr[-2000:]
-    (line,) = [line for line in out.stdout.splitlines() if line.startswith("[bloom] eager:")]
-    floor = float(re.search(r"floor ([0-9.]+) MiB", line).group(1))
-    assert "joint nodes, planned in" in line and 0 < floor < 1000, line
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[bloom] eager:")]
+    assert len(lines) == 2 and all("joint nodes, planned in" in line for line in lines), out.stdout
+    floors = [float(re.search(r"floor ([0-9.]+) MiB", line).group(1)) for line in lines]
+    # The second is planned with nothing of the first alive: the same floor.
+    assert 0 < floors[0] < 1000 and floors[1] == floors[0], lines
 
 
 def test_cnn_floor_reports_each_model_and_compiler(capsys):
