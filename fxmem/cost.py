@@ -15,7 +15,6 @@ process on a machine measures them, every later one plans with the same numbers.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import operator
@@ -32,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fxmem import _torch_private as tp
 
-__all__ = ["CostModel", "DeviceRates", "measure_rates"]
+__all__ = ["CostModel", "DeviceRates", "forget_rates", "measure_rates"]
 
 _PER_OP_OVERHEAD_S = 2e-6  # launch/dispatch floor for any op that does work
 
@@ -43,17 +42,34 @@ class DeviceRates:
     bytes_per_s: float
 
 
-@functools.cache
-def measure_rates(device: str) -> DeviceRates:
-    """Matmul flop rate and copy bandwidth of `device`: timed once per machine, then cached."""
+_kept: dict[str, DeviceRates] = {}  # per process: device -> the rates every plan on it uses
+
+
+def measure_rates(device: str, room_bytes: int | None = None) -> DeviceRates:
+    """Matmul flop rate and copy bandwidth of `device`: timed once per machine, then cached.
+
+    Timing allocates tensors while the first step is planned, and so inside that step: up to
+    `_timing_bytes` at once (66 MiB on a CPU, 160 MiB on CUDA), enough to time the copies
+    through memory rather than a cache. Where a budget leaves less room than that beside what
+    is alive (`room_bytes`), the rates are timed on tensors that fit it and used for that plan
+    alone, neither kept nor written down: a later plan with room times them in full. A budget
+    below what is alive (negative room) is refused before anything runs: timed in full then,
+    so that the floor the refusal names is planned with the rates later plans use."""
+    rates = _kept.get(device)
+    if rates is not None:
+        return rates
     path = _cache_dir() / "device_rates.json"
     key = f"{_device_name(device)} | torch {torch.__version__}"
     table = _read_table(path)
     try:
-        return DeviceRates(float(table[key]["flops_per_s"]), float(table[key]["bytes_per_s"]))
+        rates = _kept[device] = DeviceRates(float(table[key]["flops_per_s"]), float(table[key]["bytes_per_s"]))
+        return rates
     except (KeyError, TypeError, ValueError):
         pass
-    rates = _snap(_time_rates(device))
+    full = _timing_bytes(torch.device(device))
+    if room_bytes is not None and 0 <= room_bytes < full:
+        return _snap(_time_rates(device, room_bytes / full))
+    rates = _kept[device] = _snap(_time_rates(device))
     table[key] = {"flops_per_s": rates.flops_per_s, "bytes_per_s": rates.bytes_per_s}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,6 +79,11 @@ def measure_rates(device: str) -> DeviceRates:
     except OSError:
         pass  # a read-only home: the snapped rates still keep small wobbles out of the plan
     return rates
+
+
+def forget_rates() -> None:
+    """Drop this process's rates: the next plan reads the cache file again (or times them)."""
+    _kept.clear()
 
 
 def _read_table(path: Path) -> dict:
@@ -93,20 +114,36 @@ def _snap(rates: DeviceRates) -> DeviceRates:
     return DeviceRates(flops_per_s=snap(rates.flops_per_s), bytes_per_s=snap(rates.bytes_per_s))
 
 
-def _time_rates(device: str) -> DeviceRates:
-    """Matmul flop rate and copy bandwidth of `device`, timed now (median of a few runs)."""
+def _timing_sizes(dev: torch.device, scale: float = 1.0) -> tuple[int, int]:
+    """The side of the square matrices timed and the elements of the buffer copied, at `scale`
+    of the full sizes: those keep the device busy for well over a timer tick, and copy
+    through memory rather than a cache (a CPU's L3, an H100's 50 MB L2). Smaller ones time
+    what fits `scale` of the memory, the copies partly in a cache."""
+    n, elements = (512, 8 * 2**20) if dev.type == "cpu" else (2048, 16 * 2**20)
+    if scale >= 1:
+        return n, elements
+    return max(16, int(n * math.sqrt(scale)) // 16 * 16), max(4096, int(elements * scale) // 4096 * 4096)
+
+
+def _timing_bytes(dev: torch.device, scale: float = 1.0) -> int:
+    """The most bytes alive at once while the rates are timed (fp32): the two matrices and the
+    buffer throughout, beside the matrices' product or one copy of the buffer."""
+    n, elements = _timing_sizes(dev, scale)
+    return 4 * (2 * n * n + elements + max(n * n, elements))
+
+
+def _time_rates(device: str, scale: float = 1.0) -> DeviceRates:
+    """Matmul flop rate and copy bandwidth of `device`, timed now (median of a few runs), on
+    tensors of `scale` of the full sizes (see `_timing_sizes`)."""
     with tp.real_tensors():  # planning runs inside fake-tensor tracing, where ops take no time
-        return _time_rates_real(torch.device(device))
+        return _time_rates_real(torch.device(device), scale)
 
 
-def _time_rates_real(dev: torch.device) -> DeviceRates:
-    # Sizes that keep the device busy for well over a timer tick, and small beside the memory
-    # a user plans for: on CUDA 176 MiB at once, freed before the step (it runs while planning,
-    # the first time a device is seen; the rates are cached).
-    n = 512 if dev.type == "cpu" else 2048
+def _time_rates_real(dev: torch.device, scale: float) -> DeviceRates:
+    n, elements = _timing_sizes(dev, scale)
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
-    big = torch.randn(8 * 2**20 if dev.type == "cpu" else 16 * 2**20, device=dev)
+    big = torch.randn(elements, device=dev)
 
     def timed(fn, reps=5):
         fn()

@@ -118,7 +118,10 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
                 f"the saved plan was made with keep_outputs={req.reuse.keep_outputs}, this step asks for "
                 f"keep_outputs={req.keep_outputs}: pass the plan's setting, or plan again"
             )
-        cost = CostModel(measure_rates(str(req.device)))
+        # Timing the rates, the first time, allocates beside what is alive: no more than the
+        # budget leaves.
+        room = None if req.budget_bytes is None else req.budget_bytes - req.reserved_bytes() - req.margin()
+        cost = CostModel(measure_rates(str(req.device), room))
         storage_remap = remove_redundant_clones(joint)
         layout_opt = req.compiler == "inductor" and tp.inductor_layout_optimization(joint)
         if layout_opt:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fxmem
+from fxmem.cost import measure_rates
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 # The repository root: tests build the benchmarks' models (`benchmarks.*`) rather than copies.
@@ -23,6 +24,14 @@ GPT_BATCH = (4, 256)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _rates_timed():
+    """The CPU's cost rates timed in full (or read) before any test plans: a test's first plan
+    at a tight budget would otherwise time them on smaller tensors, for that plan alone, and
+    plans would depend on which test a worker ran first."""
+    measure_rates("cpu")
 
 
 @pytest.fixture(autouse=True)

@@ -156,7 +156,7 @@ def test_cnn_held_at_its_floor(name, compiler, rates, monkeypatch):
     if name.startswith("hf-"):
         pytest.importorskip("transformers")
     if rates is not None:
-        monkeypatch.setattr(partition, "measure_rates", lambda device: rates)
+        monkeypatch.setattr(partition, "measure_rates", lambda device, room_bytes=None: rates)
     torch.manual_seed(0)
     model, batch = CNNS[name]()
     model.train()

@@ -191,7 +191,7 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     from benchmarks.hf_zoo import _models
     from fxmem.cost import DeviceRates
 
-    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device: DeviceRates(1e11, 2**32))
+    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
     torch.manual_seed(0)
     model, kwargs = _models()["convnext"]()  # the zoo's: 32 images of 128 x 128
     model.train()

@@ -261,7 +261,7 @@ def test_plans_are_deterministic_across_processes(monkeypatch, tmp_path):
     joint = seen[-1][0]
     decisions, rates = [], []
     for _ in range(2):
-        cost.measure_rates.cache_clear()
+        cost.forget_rates()
         rates.append(cost.measure_rates("cpu"))
         jg = JointGraph.build(joint.gm, joint.num_fwd_outputs, cost.CostModel(rates[-1]), fusing=True)
         trajectory = plan_trajectory(jg)
@@ -272,6 +272,26 @@ def test_plans_are_deterministic_across_processes(monkeypatch, tmp_path):
     assert rates[0] == rates[1]
     assert decisions[0][1], "a budget half-way down must recompute something"
     assert decisions[0] == decisions[1]
+
+
+def test_first_step_on_a_new_machine_holds_a_budget_below_the_rate_timing(monkeypatch, tmp_path):
+    """The rates are timed the first time a device is planned for, inside the first step: on
+    tensors that fit the room the budget leaves (not the 66 MiB a full timing allocates on a
+    CPU), and then not kept; a budget below what is alive, refused before anything runs, times
+    them in full and writes them down."""
+    monkeypatch.setenv("FXMEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cost, "_kept", {})  # a new process: no rates read or timed yet
+    model, batch = small_gpt()
+    budget_gb = (cost._timing_bytes(torch.device("cpu")) // 2) / 2**30
+    module = fxmem.optimize(model, budget_gb, compiler="eager")  # planned in its first step
+    first = fxmem.measure(step, module, *batch)
+    assert first.peak_bytes <= budget_gb * 2**30, f"first step {first.peak_bytes / 2**20:.1f} MiB"
+    assert not (tmp_path / "device_rates.json").exists()
+    assert module.plan.predicted_peak_bytes <= module.plan.budget_bytes
+    torch._dynamo.reset()
+    with pytest.raises(fxmem.BudgetError):
+        fxmem.optimize(model, 1e-6, compiler="eager", example_inputs=batch)
+    assert (tmp_path / "device_rates.json").exists()
 
 
 def test_cost_rates_are_timed_on_real_tensors():
