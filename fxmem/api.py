@@ -204,7 +204,7 @@ class FxmemModule(nn.Module):
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(
                 "fxmem plans one graph per step and this model does not capture as one "
-                f"(torch.compile(fullgraph=True) fails): {str(e).splitlines()[0]}"
+                f"(torch.compile(fullgraph=True) fails): {_why_not_captured(e)}"
             ) from e
 
     # -- the original module's own state --------------------------------------------------
@@ -258,3 +258,16 @@ class FxmemModule(nn.Module):
     def extra_repr(self) -> str:
         o = self._fxmem_options
         return f"budget_gb={o.budget_gb}, compiler={o.compiler!r}, module={type(self._fxmem_model).__name__}"
+
+
+def _why_not_captured(e: Exception) -> str:
+    """Dynamo's reason for a graph break in a line: its summary, its explanation (torch 2.15's
+    summary can be only "Unsupported function call (delayed)", the reason, an LSTM say, is in
+    the explanation) and the user's line it stopped at."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    parts = lines[:1]
+    parts += [line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")]
+    if "from user code:" in lines:
+        where = lines[lines.index("from user code:") + 1 :]
+        parts += [line for line in where if line.startswith("File ")][-1:]
+    return "; ".join(p.rstrip(".") for p in parts if p)
