@@ -34,6 +34,17 @@ def _rates_timed():
     measure_rates("cpu")
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread through the test, whatever the machine and the number of workers:
+    a CPU attention's workspace holds a block of scores per thread, so a floor set beside an
+    attention moves with the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

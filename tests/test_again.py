@@ -81,7 +81,9 @@ def test_without_a_fusing_compiler_no_copy_is_made(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch):
+def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch, one_thread):
+    """With two threads the attention's workspace sets this model's floor, which a second
+    recomputation does not lower: the test plans on one."""
     model, batch = _deep_gpt()
     step(model, *batch)
     ref = grads_of(model)
