@@ -220,6 +220,9 @@ def test_a_budget_between_the_walks_states_takes_a_walk_from_the_state_above_it(
 
 
 def test_a_plan_walked_to_its_budget_trains_as_eager_does(monkeypatch):
+    """A plan walked from a state above its budget, cheaper than the states within it
+    polished, trains as eager does: the first such of nineteen budgets between the floor and
+    the unconstrained peak (of nine a tenth apart, none was under torch 2.15's graph)."""
     chose_walked = []
     choose = planner.Trajectory.choose
 
@@ -237,10 +240,10 @@ def test_a_plan_walked_to_its_budget_trains_as_eager_does(monkeypatch):
     trained = copy.deepcopy(model)
     lo = _floor_gb(trained, batch) * 2**30
     hi = fxmem.optimize(trained, 64.0, compiler="eager", example_inputs=batch).plan.predicted_peak_bytes
-    for k in range(2, 10):
+    for k in range(1, 20):
         chose_walked.clear()
         trained.zero_grad(set_to_none=True)
-        stepped = fxmem.optimize(trained, (lo + (hi - lo) * k / 10) / 2**30, compiler="eager")
+        stepped = fxmem.optimize(trained, (lo + (hi - lo) * k / 20) / 2**30, compiler="eager")
         step(stepped, *batch)
         plan = stepped.plan
         del stepped
