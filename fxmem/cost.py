@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fxmem import _torch_private as tp
 
-__all__ = ["CostModel", "DeviceRates", "forget_rates", "measure_rates"]
+__all__ = ["CostModel", "DeviceRates", "measure_rates"]
 
 _PER_OP_OVERHEAD_S = 2e-6  # launch/dispatch floor for any op that does work
 
@@ -81,11 +81,6 @@ def measure_rates(device: str, room_bytes: int | None = None) -> DeviceRates:
     return rates
 
 
-def forget_rates() -> None:
-    """Drop this process's rates: the next plan reads the cache file again (or times them)."""
-    _kept.clear()
-
-
 def _read_table(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
@@ -120,8 +115,7 @@ def _timing_sizes(dev: torch.device, scale: float = 1.0) -> tuple[int, int]:
     through memory rather than a cache (a CPU's L3, an H100's 50 MB L2). Smaller ones time
     what fits `scale` of the memory, the copies partly in a cache."""
     n, elements = (512, 8 * 2**20) if dev.type == "cpu" else (2048, 16 * 2**20)
-    if scale >= 1:
-        return n, elements
+    scale = min(scale, 1.0)
     return max(16, int(n * math.sqrt(scale)) // 16 * 16), max(4096, int(elements * scale) // 4096 * 4096)
 
 

@@ -118,10 +118,10 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
                 f"the saved plan was made with keep_outputs={req.reuse.keep_outputs}, this step asks for "
                 f"keep_outputs={req.keep_outputs}: pass the plan's setting, or plan again"
             )
+        limit = None if req.budget_bytes is None else req.budget_bytes - req.reserved_bytes() - req.margin()
         # Timing the rates, the first time, allocates beside what is alive: no more than the
-        # budget leaves.
-        room = None if req.budget_bytes is None else req.budget_bytes - req.reserved_bytes() - req.margin()
-        cost = CostModel(measure_rates(str(req.device), room))
+        # budget leaves (`limit`).
+        cost = CostModel(measure_rates(str(req.device), limit))
         storage_remap = remove_redundant_clones(joint)
         layout_opt = req.compiler == "inductor" and tp.inductor_layout_optimization(joint)
         if layout_opt:
@@ -158,8 +158,6 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             plain = None  # no copies made: one graph
         grad_bytes = sum(jg.storage_bytes[s] for s in {jg.storage[i] for i in jg.bwd_outputs} if s >= 0)
         step_floor = grad_bytes + req.optimizer_step_bytes if req.optimizer_step_bytes else 0
-        reserved = req.reserved_bytes()
-        limit = None if req.budget_bytes is None else req.budget_bytes - reserved - req.margin()
         second = None
         if req.reuse is not None:
             if req.reuse.second_recomputation:
