@@ -131,15 +131,23 @@ def plan_second_recomputation(jg: JointGraph, saved: list[bool], min_bytes: int)
     n = len(jg.nodes)
     kept = {i for i in range(n) if saved[i] and jg.kind[i] == FWD}
     dropped: set[int] = set()
+    gone: set[int] = set()  # the storages of the dropped values (their views are rebuilt too)
     chain: set[int] = set()
     for x in sorted(kept):
         if not _is_base(jg, x) or jg.banned[x] or jg.storage_bytes[jg.storage[x]] < min_bytes:
             continue
         if not any(jg.kind[u] == BWD for j in _group(jg, x) for u in jg.users[j]):
             continue
-        found = _chain(jg, x, lambda j: j in kept and j not in dropped, lambda j: j not in dropped, _MAX_SECOND_CHAIN)
+        found = _chain(
+            jg,
+            x,
+            lambda j: j in kept and jg.storage[j] not in gone,
+            lambda j: jg.storage[j] not in gone,
+            _MAX_SECOND_CHAIN,
+        )
         if found is not None:
             dropped.add(x)
+            gone.add(jg.storage[x])
             chain |= found
     if not dropped:
         return None
