@@ -182,6 +182,10 @@ class FxmemModule(nn.Module):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
+            # A BudgetError's traceback keeps this frame: a plan made while the caller holds the
+            # error (a retry at its floor, in the `except` block) would count these copies as
+            # live tensors, and its floor would be higher by their bytes.
+            del buffers, cpu_rng, cuda_rng
         return self.plan
 
     # -- calling ----------------------------------------------------------------------------
@@ -191,9 +195,11 @@ class FxmemModule(nn.Module):
                 return self._fxmem_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, (BudgetError, ValueError, TypeError)):
+            if not isinstance(inner, (ValueError, TypeError)):
+                raise
+            if not isinstance(inner, BudgetError):
                 raise inner from None
-            raise
+            refused = inner
         except tp.RECOMPILE_LIMIT_ERRORS as e:
             limit = torch._dynamo.config.recompile_limit
             raise RuntimeError(
@@ -206,6 +212,10 @@ class FxmemModule(nn.Module):
                 "fxmem plans one graph per step and this model does not capture as one "
                 f"(torch.compile(fullgraph=True) fails): {_why_not_captured(e)}"
             ) from e
+        # Raised here, without the frames of the capture and the planning it came through:
+        # they hold tensors of the step (the random-number state dynamo keeps), which a plan
+        # made while the caller holds the error (a retry at its floor) would count as live.
+        raise refused.with_traceback(None)
 
     # -- the original module's own state --------------------------------------------------
     def train(self, mode: bool = True) -> FxmemModule:

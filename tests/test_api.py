@@ -249,6 +249,27 @@ def test_impossible_budget_raises_before_running_and_leaves_model_untouched():
     assert fxmem.measure(step, ok, *batch).peak_bytes <= err.floor_bytes
 
 
+def test_the_floor_a_refusal_names_is_planned_while_the_refusal_is_held():
+    """Retrying at the floor inside the `except` block: the error must not hold tensors of the
+    refused planning (plan_for's copies of the buffers, the random-number state dynamo kept),
+    which the retry would count as live, its floor then above the one named (here 11.2 MiB
+    against 10.2, with 2.1 MiB of other live tensors; the random-number state alone, 5 KiB,
+    was enough to refuse it)."""
+    model, batch = small_gpt()
+    step(model, *batch)
+    ref = grads_of(model)
+    zero_grads(model)
+    try:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, compiler="eager")
+    except fxmem.BudgetError as err:
+        assert err.__traceback__.tb_next is not None  # raised in fxmem, from the step's frame
+        m = fxmem.optimize(model, err.floor_bytes / 2**30, example_inputs=batch, compiler="eager")
+    step(m, *batch)
+    assert max_rel_err(grads_of(model), ref) < 1e-4
+    zero_grads(model)
+    assert fxmem.measure(step, m, *batch).peak_bytes <= m.plan.budget_bytes
+
+
 class _Logs(nn.Module):
     """A block whose forward logs, as library models do (a warning, a debug line)."""
 
