@@ -195,11 +195,12 @@ class FxmemModule(nn.Module):
                 return self._fxmem_compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
-            if not isinstance(inner, (ValueError, TypeError)):
-                raise
-            if not isinstance(inner, BudgetError):
+            if isinstance(inner, BudgetError):
+                refused = inner  # raised below, outside this handler
+            elif isinstance(inner, (ValueError, TypeError)):
                 raise inner from None
-            refused = inner
+            else:
+                raise
         except tp.RECOMPILE_LIMIT_ERRORS as e:
             limit = torch._dynamo.config.recompile_limit
             raise RuntimeError(

@@ -21,15 +21,17 @@ from fxmem.testing import GPT, GPTConfig, gpt_batch
 DEEP_GPT = GPTConfig(vocab_size=2048, block_size=256, n_layer=3, n_head=2, n_embd=64)
 
 
-def _capture(monkeypatch):
+def _capture(monkeypatch, name: str = "emit_graphs"):
+    """The first two arguments of each call to `partition.<name>` (the joint graph, and the
+    choice or trajectory); the calls go on as before."""
     seen = []
-    original = partition.emit_graphs
+    original = getattr(partition, name)
 
-    def emit(jg, choice, *rest):
-        seen.append((jg, choice))
-        return original(jg, choice, *rest)
+    def spy(jg, second, *rest):
+        seen.append((jg, second))
+        return original(jg, second, *rest)
 
-    monkeypatch.setattr(partition, "emit_graphs", emit)
+    monkeypatch.setattr(partition, name, spy)
     return seen
 
 
@@ -121,14 +123,7 @@ def test_a_value_computed_a_second_time_is_made_from_values_still_saved(monkeypa
     copy, two of one block's values held from the first rebuild on (on the torch 2.15 graph the
     floor stayed at that of recomputing once). Checked for the saved values of every state the
     planner walked through."""
-    seen = []
-    original = partition._second_recomputation
-
-    def spy(jg, trajectory, build):
-        seen.append((jg, trajectory))
-        return original(jg, trajectory, build)
-
-    monkeypatch.setattr(partition, "_second_recomputation", spy)
+    seen = _capture(monkeypatch, "_second_recomputation")
     model, batch = _deep_gpt()
     _floor(model, batch)
     jg, trajectory = seen[-1]
