@@ -344,6 +344,16 @@ class JointGraph:
         return bool(self.users[i]) and all(kernels.op_name(self.nodes[u]) == "cat" for u in self.users[i])
 
     @functools.cached_property
+    def layouts(self) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
+        """Per node, `kernels.layout`: its value's shape and strides."""
+        return [kernels.layout(n) for n in self.nodes]
+
+    @functools.cached_property
+    def dense_numel(self) -> list[int]:
+        """Per node, `kernels.dense_numel`: its value's elements when dense, else -1."""
+        return [kernels.dense_numel(n) for n in self.nodes]
+
+    @functools.cached_property
     def tuple_parts(self) -> frozenset[int]:
         """The nodes that take one output of a multi-output op (`getitem`)."""
         return frozenset(i for i, n in enumerate(self.nodes) if n.target is operator.getitem)
@@ -362,6 +372,15 @@ class JointGraph:
             if s >= 0:
                 nodes[s].append(i)
         return nodes
+
+    @functools.cached_property
+    def storage_readers(self) -> list[list[int]]:
+        """Per storage, the nodes that read it, directly or through its views, and do not hold
+        it themselves."""
+        return [
+            [u for j in held for u in self.users[j] if self.storage[u] != s]
+            for s, held in enumerate(self.storage_nodes)
+        ]
 
     @functools.cached_property
     def written_by_readers(self) -> list[int]:
@@ -430,6 +449,22 @@ class JointGraph:
             else:
                 reads.append(j)
         return views[1:], reads
+
+    @functools.cached_property
+    def backward_roots(self) -> list[int]:
+        """The backward nodes from the first that reads a gradient on, less those run only when
+        a reader needs them (`deferred`): the order the backward asks for its nodes in (see
+        `schedule.backward_order`)."""
+        deferred = self.deferred
+        return [i for i in range(self.first_bwd, len(self.nodes)) if self.kind[i] == BWD and i not in deferred]
+
+    @functools.cached_property
+    def may_join_early(self) -> list[bool]:
+        """Per node, whether the backward may run it before anything asks for it (see
+        `schedule.backward_order`): an early gradient, a part of a multi-output op, or a node
+        that stands before the gradients in the graph."""
+        early, parts = self.early_gradients, self.tuple_parts
+        return [u in early or u in parts or u < self.first_bwd for u in range(len(self.nodes))]
 
     @functools.cached_property
     def deferred(self) -> frozenset[int]:

@@ -19,10 +19,12 @@ __all__ = [
     "LAYOUT_COPY",
     "NEVER_WRITTEN_OVER",
     "SCATTERS",
+    "dense_numel",
     "is_fusible",
     "is_inlinable",
     "is_view_op",
     "kernel_ops",
+    "layout",
     "op_name",
     "reach",
 ]
@@ -112,6 +114,19 @@ def _scatter_fused(node: fx.Node) -> bool:
     if val.dtype == torch.bfloat16 and val.device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.get_device_capability(val.device) >= (9, 0)
     return True
+
+
+def layout(node: fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The shape and strides of a node's tensor value; None for other values."""
+    val = node.meta.get("val")
+    return (tuple(val.shape), tuple(val.stride())) if isinstance(val, torch.Tensor) else None
+
+
+def dense_numel(node: fx.Node) -> int:
+    """The elements of a node's tensor value when that is dense and row-major; -1 when it is
+    not, or not a tensor."""
+    val = node.meta.get("val")
+    return val.numel() if isinstance(val, torch.Tensor) and val.is_contiguous() else -1
 
 
 def op_name(node: fx.Node) -> str:

@@ -30,7 +30,6 @@ class InfeasibleSave(Exception):
 
 def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
     """Backward schedule and the forward nodes it recomputes."""
-    n = len(jg.nodes)
     kind, users, inputs = jg.kind, jg.users, jg.inputs
     done = jg.there_before_backward.copy()
     for i in jg.forward_nodes:
@@ -56,7 +55,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         done[i] = True
         order.append(i)
 
-    early, parts, first_bwd = jg.early_gradients, jg.tuple_parts, jg.first_bwd
+    early, parts, first_bwd, may_join = jg.early_gradients, jg.tuple_parts, jg.first_bwd, jg.may_join_early
 
     def extra(u: int) -> bool:
         """May run early, though nothing asked for it yet: see `bring`."""
@@ -81,7 +80,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         seen = {root}
         if all(done[j] for j in inputs[root]):  # the common case: run it, then its joiners
             emit(root)
-            ready = list(dict.fromkeys(u for u in users[root] if extra(u) and all(done[j] for j in inputs[u])))
+            ready = [u for u in users[root] if may_join[u] and extra(u) and all(done[j] for j in inputs[u])]
             if not ready:
                 return
             queued = {root, *ready}
@@ -100,13 +99,12 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
             i = heapq.heappop(ready)
             emit(i)
             for u in users[i]:
-                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in inputs[u]):
+                if u not in queued and (u in seen or (may_join[u] and extra(u))) and all(done[j] for j in inputs[u]):
                     queued.add(u)
                     heapq.heappush(ready, u)
 
-    deferred = jg.deferred
-    for i in range(first_bwd, n):
-        if kind[i] == BWD and not done[i] and i not in deferred:
+    for i in jg.backward_roots:
+        if not done[i]:
             bring(i)
     for i in jg.bwd_outputs:
         if not done[i]:

@@ -21,10 +21,9 @@ GPT-with-dropout and ViT floors.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from fxmem.graph import BWD, JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
@@ -94,6 +93,7 @@ def simulate(
     cost = _costs(jg, held)
     costs = (cost, _costs(jg, kept_b) if released else cost)
     rset = set(recomputed)
+    kind, fusible = jg.kind, jg.fusible
 
     def inlined(i: int) -> bool:
         """A recomputed value a fusing compiler never writes out: it is not materialised,
@@ -105,11 +105,8 @@ def simulate(
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
         # Its readers and its views' (a view of a value computed inline is computed inline).
-        s = storage[i]
-        readers = [
-            u for j in jg.storage_nodes[s] for u in jg.users[j] if storage[u] != s and (jg.kind[u] == BWD or u in rset)
-        ]
-        if any(not jg.fusible[u] for u in readers):
+        readers = [u for u in jg.storage_readers[storage[i]] if kind[u] == BWD or u in rset]
+        if any(not fusible[u] for u in readers):
             return False
         return len(readers) <= 1 or not jg.stored_on_reuse[i]
 
@@ -136,7 +133,7 @@ def simulate(
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
     # the kernel's last op included: MobileViT's and RegNet's SiLU and batch-norm gradients);
     # `frees` becomes kernel end -> the storages last read inside that kernel.
-    last_read_at: dict[tuple[int, int], int] = {}  # (kernel end, storage) -> step of the last read
+    last_read_at: dict[int, dict[int, int]] = {}  # kernel end -> storage -> step of the last read
     kernel_end: list[int] = []
     if jg.fusible:
         kernel_end = kernel_ends([jg.fusible[i] for i in order])
@@ -144,7 +141,7 @@ def simulate(
         for t, sids in frees.items():
             k = kernel_end[t] if t < len(order) else t
             moved.setdefault(k, []).extend(sids)
-            last_read_at.update(((k, s), t) for s in sids)
+            last_read_at.setdefault(k, {}).update(dict.fromkeys(sids, t))
         frees = moved
 
     alive: set[int] = set()
@@ -173,7 +170,7 @@ def simulate(
             for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
                 if (
                     r in alive
-                    and last_read_at[kernel_end[t], r] <= t
+                    and last_read_at[kernel_end[t]][r] <= t
                     and charged[r] == charged[s]
                     and _reads_in_place(jg, i, made_by[r], cost)
                 ):
@@ -288,18 +285,21 @@ def _extend_through_unstored(
     the batch, concatenated per head); and for a matmul folded into its reader's addmm, which
     runs where that add is (a tied LM head's weight gradient, added to the embedding's at the
     end of the backward, holds the logits' gradient and the head's input until then)."""
-    storage, candidate = jg.storage, jg.computed_in_readers
-    for t in reversed([t for t, i in enumerate(order) if candidate[i]]):
-        i = order[t]
-        s = storage[i]
-        if costs[t >= boundary][s] or (t >= boundary and i in rset and not inlined(i)):
-            continue
-        last = last_f if t < boundary else last_b
-        until = last.get(s, t)
-        for j in jg.inputs[i]:
-            sj = storage[j]
-            if sj >= 0 and sj != s and last.get(sj, -1) < until:
-                last[sj] = until
+    storage, inputs, candidate = jg.storage, jg.inputs, jg.computed_in_readers
+    steps = [t for t, i in enumerate(order) if candidate[i]]
+    split = bisect.bisect_left(steps, boundary)
+    # The backward's steps, then the forward's: each phase has its own last reads.
+    for ts, cost, last, backward in ((steps[split:], costs[1], last_b, True), (steps[:split], costs[0], last_f, False)):
+        for t in reversed(ts):
+            i = order[t]
+            s = storage[i]
+            if cost[s] or (backward and i in rset and not inlined(i)):
+                continue
+            until = last.get(s, t)
+            for j in inputs[i]:
+                sj = storage[j]
+                if sj >= 0 and sj != s and last.get(sj, -1) < until:
+                    last[sj] = until
 
 
 def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool:
@@ -310,31 +310,23 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
     (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
     transpose). Never a buffer a scatter filled or a concatenation's (`NEVER_WRITTEN_OVER`)."""
-    want, made = jg.nodes[i].meta.get("val"), jg.nodes[maker].meta.get("val")
-    if not isinstance(want, torch.Tensor) or not isinstance(made, torch.Tensor):
+    layouts = jg.layouts
+    want, made = layouts[i], layouts[maker]
+    if want is None or made is None:
         return False
     if op_name(jg.nodes[maker]) in NEVER_WRITTEN_OVER:
         return False
     r = jg.storage[maker]
-    if not (want.shape == made.shape and want.stride() == made.stride()):
-        if not _same_layout(want, made) or _reduced(jg, r, cost):
+    if want != made:
+        # one a reshape of the other: as many elements, both dense and row-major
+        if jg.dense_numel[i] < 0 or jg.dense_numel[i] != jg.dense_numel[maker] or _reduced(jg, r, cost):
             return False
 
     def through(j: int) -> list[int]:  # values i's kernel computes inline: their inputs too
         sj = jg.storage[j]
         return jg.inputs[j] if sj != r and sj >= 0 and not cost[sj] and jg.inlinable[j] else []
 
-    for j in reach(jg.inputs[i], through):
-        got = jg.nodes[j].meta.get("val")
-        if jg.storage[j] == r and isinstance(got, torch.Tensor):
-            if got.shape == want.shape and got.stride() == want.stride():
-                return True
-    return False
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two dense row-major tensors hold as many elements (one is a reshape of the other)."""
-    return a.numel() == b.numel() and a.is_contiguous() and b.is_contiguous()
+    return any(jg.storage[j] == r and layouts[j] == want for j in reach(jg.inputs[i], through))
 
 
 def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:

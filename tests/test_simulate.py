@@ -20,7 +20,8 @@ from fxmem import _torch_private as tp
 from fxmem import cost, partition, planner
 from fxmem.buffers import materialized_storages, store_reused, stored_on_reuse
 from fxmem.graph import JointGraph
-from fxmem.kernels import is_inlinable, is_view_op, kernel_ops
+from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops
+from fxmem.kernels import layout as value_layout
 from fxmem.nodes import _is_impure, _is_random, aliased_input
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
@@ -613,6 +614,8 @@ def _in_place_case(f, *args):
         storage_nodes=[[i for i, s in enumerate(storage) if s == r] for r in range(len(nodes))],
         fusible=fusible,
         inlinable=[is_inlinable(n) for n in nodes],
+        layouts=[value_layout(n) for n in nodes],
+        dense_numel=[dense_numel(n) for n in nodes],
     )
     return jg, named, [1] * len(nodes)
 
@@ -1076,3 +1079,4 @@ def test_a_recomputed_attention_is_named_and_costed_in_the_plan():
     # two layers: each attention's output and log-sum-exp, the attention's cost on one of them
     assert len(attention) == 4 and all(d.name.startswith("getitem") for d in attention)
     assert len([d for d in attention if d.cost_s > 0]) == 2
+
