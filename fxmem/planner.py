@@ -5,11 +5,13 @@ the smallest peak it can reach. Each step looks at the moment of the current pea
 saved storages alive then, and unsaves those that free the most bytes per second of added
 recomputation, re-simulating after each batch; a batch that raises the peak is undone, and
 the walk goes on one move at a time until a move is taken (where one move raises the peak, the
-next batch, which would hold the next best moves, mostly does too). The trajectory is the
-menu: a budget takes the cheapest state whose peak fits, or what a short walk from the states
-just above its limit reaches where that recomputes less (`_fit`); then a polishing pass saves
-again whatever recomputation the budget still has room for. The lowest peak along the
-trajectory is the floor.
+next batch, which would hold the next best moves, mostly does too). A saved set refused at a
+peak no lower than the current one is not simulated again: after a refused batch and one of
+its moves taken, the next batch is often that set. The trajectory is the menu: a budget
+takes the cheapest state whose peak fits, or what a short walk from the states just above its
+limit reaches where that recomputes less (`_fit`); then a polishing pass saves again whatever
+recomputation the budget still has room for. The lowest peak along the trajectory is the
+floor.
 
 A walk ends where no single move lowers the peak, which is not always the lowest peak there
 is: a value recomputed early in the backward (a residual, rebuilt for an MLP's backward from
@@ -302,24 +304,27 @@ def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
     reaches further depends on the graph, so both are the menu, and what `_kicked` finds
     below where each ended joins it when a budget needs it."""
     rate_effort, bytes_effort = _Effort(), _Effort()
-    by_rate = _walk(jg, _by_rate, rate_effort)
-    by_bytes = _walk(jg, _by_bytes, bytes_effort)
+    refused: dict[bytes, int] = {}  # saved sets a walk refused -> the peak they were to stay under
+    by_rate = _walk(jg, _by_rate, rate_effort, refused=refused)
+    by_bytes = _walk(jg, _by_bytes, bytes_effort, refused=refused)
 
     def below() -> list[Choice]:
-        return _kicked(jg, _by_rate, by_rate, rate_effort.spent) + _kicked(jg, _by_bytes, by_bytes, bytes_effort.spent)
+        return _kicked(jg, _by_rate, by_rate, rate_effort.spent, refused) + _kicked(
+            jg, _by_bytes, by_bytes, bytes_effort.spent, refused
+        )
 
     return Trajectory(jg, by_rate + by_bytes[1:], floor_bytes, below)
 
 
 @dataclass
 class _Effort:
-    """Simulations run, against an optional limit."""
+    """Trials (simulations, and saved sets known to be refused), against an optional limit."""
 
     limit: int | None = None
     spent: int = 0
 
     def spend(self) -> bool:
-        """Count one simulation; False when it is over the limit (and so not to be run)."""
+        """Count one trial; False when it is over the limit (and so not to be run)."""
         self.spent += 1
         return self.limit is None or self.spent <= self.limit
 
@@ -332,7 +337,13 @@ def _by_bytes(m: _Move) -> tuple:
     return (-m.gain_bytes, m.cost_s, m.sid)
 
 
-def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice], walked_for: int) -> list[Choice]:
+def _kicked(
+    jg: JointGraph,
+    order: Callable[[_Move], tuple],
+    states: list[Choice],
+    walked_for: int,
+    refused: dict[bytes, int] | None = None,
+) -> list[Choice]:
     """States below the lowest of `states`, walked to from it by saving a recomputed value.
 
     The values tried are those read by a recomputed storage alive at the lowest state's peak
@@ -355,7 +366,7 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
             start = best.saved.copy()
             start[u] = True
             try:
-                walked = _walk(jg, order, effort, start, kept={jg.storage[u]}, retries=0)
+                walked = _walk(jg, order, effort, start, kept={jg.storage[u]}, retries=0, refused=refused)
             except InfeasibleSave:
                 continue
             if not walked:
@@ -371,7 +382,9 @@ def _kicked(jg: JointGraph, order: Callable[[_Move], tuple], states: list[Choice
         if swapped is None:
             return found
         start, u = swapped
-        walked = _walk(jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0, timeline=start.timeline)
+        walked = _walk(
+            jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0, timeline=start.timeline, refused=refused
+        )
         found += walked
         best, lowered = min(walked, key=lambda c: c.timeline.peak_bytes), True
     return found
@@ -441,11 +454,13 @@ def _walk(
     kept: set[int] | None = None,
     retries: int = _RETRIES,
     timeline: Timeline | None = None,
+    refused: dict[bytes, int] | None = None,
 ) -> list[Choice]:
     """States from `saved` (default: everything the backward reads) down, each lowering the
     peak or keeping it, until no move does or `effort` is spent (none, if it is spent before
     the first); storages in `kept` are never unsaved. `timeline`: `saved`'s, already
-    simulated (the first state then always is)."""
+    simulated (the first state then always is). `refused`: saved sets refused before -> the
+    peak they were to stay under, on this graph; the walk adds those it refuses."""
     saved = _initial_saved(jg) if saved is None else saved
     if timeline is None:
         if not effort.spend():
@@ -456,6 +471,7 @@ def _walk(
     tried: set[int] = set()
     kept = set() if kept is None else set(kept)  # also storages saved by a _save_instead move
     single = False
+    refused = {} if refused is None else refused
     while True:
         moves = sorted(_moves(jg, saved, tl, tried | kept) + _save_instead(jg, tl, saved, tried), key=order)
         if not moves and tried and retries:
@@ -463,6 +479,8 @@ def _walk(
             retries -= 1
             tried = set()
             continue
+        # A trial known to be refused counts as one too: the searches below the walks may take
+        # as many as the walks did (`_kicked`), whatever they cost.
         if not moves or not effort.spend():
             break
         want = 1 if single else max(1, int(_BATCH_FRACTION * tl.peak_bytes))
@@ -472,9 +490,18 @@ def _walk(
             total += m.gain_bytes
             if total >= want:
                 break
-        new_tl = _trial(jg, _apply(saved, batch), tl.peak_bytes)
+        trial = _apply(saved, batch)
+        key = bytes(trial)
+        if refused.get(key, -1) >= tl.peak_bytes:
+            # Refused before at a peak no lower than this one: after a refused batch and a
+            # single move taken from it, the next batch is often the same saved set again.
+            new_tl = None
+        else:
+            new_tl = _trial(jg, trial, tl.peak_bytes)
+            if new_tl is None:
+                refused[key] = tl.peak_bytes
         if new_tl is not None:
-            saved, tl, single = _apply(saved, batch), new_tl, False
+            saved, tl, single = trial, new_tl, False
             kept |= {jg.storage[j] for m in batch if not m.unsave for j in m.also_save}
             tried |= {m.sid for m in batch if not m.unsave}
             states.append(Choice(saved, tl))

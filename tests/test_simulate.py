@@ -1080,3 +1080,38 @@ def test_a_recomputed_attention_is_named_and_costed_in_the_plan():
     assert len(attention) == 4 and all(d.name.startswith("getitem") for d in attention)
     assert len([d for d in attention if d.cost_s > 0]) == 2
 
+
+def _trials(monkeypatch, jg):
+    """The walks' trials on `jg`, each as (saved set, the peak it was to stay under, whether it
+    did)."""
+    seen = []
+    original = planner._trial
+
+    def trial(graph, saved, above):
+        tl = original(graph, saved, above)
+        if graph is jg:
+            seen.append((bytes(saved), above, tl is not None))
+        return tl
+
+    monkeypatch.setattr(planner, "_trial", trial)
+    return seen
+
+
+@pytest.mark.parametrize("make", [small_gpt, _vit_small])
+def test_a_walk_does_not_simulate_again_a_saved_set_refused_at_a_peak_no_higher(monkeypatch, make):
+    """After a refused batch and one move of it taken, the next batch is often the refused
+    saved set again: the walk knows it passes the peak without simulating it."""
+    seen = _capture_emits(monkeypatch)
+    model, batch = make()
+    step(fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch), *batch)
+    jg = seen[-1][0]
+    trials = _trials(monkeypatch, jg)
+    trajectory = plan_trajectory(jg)
+    refused: dict[bytes, int] = {}
+    for key, above, kept in trials:
+        assert refused.get(key, -1) < above, "a saved set refused at a peak no higher was simulated again"
+        if not kept:
+            refused[key] = above
+    assert refused, "no trial was refused: nothing to check"
+    assert len(trajectory.states) > 2
+
