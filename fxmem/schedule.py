@@ -59,6 +59,8 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
 
     def extra(u: int) -> bool:
         """May run early, though nothing asked for it yet: see `bring`."""
+        if not may_join[u]:
+            return False
         if u in early or (u in parts and needed[u] and not jg.banned[u]):
             return not done[u]  # an early gradient, or an output of an op just run
         if not (u < first_bwd and needed[u] and not done[u] and not jg.banned[u]):
@@ -80,7 +82,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         seen = {root}
         if all(done[j] for j in inputs[root]):  # the common case: run it, then its joiners
             emit(root)
-            ready = [u for u in users[root] if may_join[u] and extra(u) and all(done[j] for j in inputs[u])]
+            ready = [u for u in users[root] if extra(u) and all(done[j] for j in inputs[u])]
             if not ready:
                 return
             queued = {root, *ready}
@@ -99,7 +101,7 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
             i = heapq.heappop(ready)
             emit(i)
             for u in users[i]:
-                if u not in queued and (u in seen or (may_join[u] and extra(u))) and all(done[j] for j in inputs[u]):
+                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in inputs[u]):
                     queued.add(u)
                     heapq.heappush(ready, u)
 
