@@ -154,14 +154,14 @@ def test_floor_below_where_the_walks_stall(monkeypatch):
     """Llama's residual after attention, recomputed for its MLP's backward, holds the
     attention's output and projection alive through that peak; saving it raises the peak
     elsewhere first, which no step of the planner's walks accepts. The search from where they
-    stall (`planner._kicked`) reaches below, and the budget at that floor holds, exactly."""
+    stall (`kicks.kicked`) reaches below, and the budget at that floor holds, exactly."""
     import fxmem.planner
 
     model, kwargs = _build("llama", n_layer=3)
     eager, ref = _eager_reference(model, kwargs)  # alive from here on: in every floor below
     floor = _floor_mib(model, kwargs, "eager")
     with monkeypatch.context() as walks_only:
-        walks_only.setattr(fxmem.planner, "_kicked", lambda *args: [])
+        walks_only.setattr(fxmem.planner, "kicked", lambda *args: [])
         stalled = _floor_mib(model, kwargs, "eager")
     assert floor < 0.98 * stalled, f"floor {floor:.3f} MiB, the walks alone {stalled:.3f} MiB"
 
@@ -183,12 +183,12 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     """Under inductor, the walks from ConvNeXt's plans end saving its first stage's residual
     and recomputing a later stage's; saving the later one instead lets the backward rebuild
     the first where it reads it, after the peak. Each half of that swap alone raises the peak,
-    so neither the walks nor a kick take it; `planner._swapped` does, and the floor is 5%
+    so neither the walks nor a kick take it; `kicks._swapped` does, and the floor is 5%
     lower (asserted: at least 2%). The cost model's rates are fixed here, since the walks'
     order depends on them (found so at flop rates from 5e10 to 1e12 per second and copy rates
     from 2e9 to 1e10 bytes per second). The budget at that floor holds, as planned."""
+    import fxmem.kicks
     import fxmem.partition
-    import fxmem.planner
     from benchmarks.hf_zoo import _models
     from fxmem.cost import DeviceRates
 
@@ -199,7 +199,7 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     _, ref = _eager_reference(model, kwargs)
     floor = _floor_mib(model, kwargs, "inductor")
     with monkeypatch.context() as no_swaps:
-        no_swaps.setattr(fxmem.planner, "_swapped", lambda *args: None)
+        no_swaps.setattr(fxmem.kicks, "_swapped", lambda *args: None)
         stalled = _floor_mib(model, kwargs, "inductor")
     assert floor < 0.98 * stalled, f"floor {floor:.3f} MiB, without swaps {stalled:.3f} MiB"
 

@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxmem
 from fxmem import _torch_private as tp
-from fxmem import cost, partition, planner
+from fxmem import cost, partition, planner, walks
 from fxmem.buffers import materialized_storages, store_reused, stored_on_reuse
 from fxmem.graph import JointGraph
 from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops
@@ -194,7 +194,7 @@ def test_inductor_prediction_matches_measured_peak(monkeypatch):
 
 
 def _cheapest_state_polished(trajectory, limit):
-    """What a budget took before `_fit`: the walks' cheapest state within it, polished."""
+    """What a budget took before `walks.fit`: the walks' cheapest state within it, polished."""
     fitting = [c for c in trajectory.states if trajectory.peak(c) <= limit]
     return trajectory._polish(min(fitting, key=lambda c: c.timeline.recompute_s), limit)
 
@@ -1086,7 +1086,7 @@ def _trials(monkeypatch, jg):
     """The walks' trials on `jg`, each as (saved set, the peak it was to stay under, whether it
     did)."""
     seen = []
-    original = planner._trial
+    original = walks.timeline_within
 
     def trial(graph, saved, above):
         tl = original(graph, saved, above)
@@ -1094,7 +1094,7 @@ def _trials(monkeypatch, jg):
             seen.append((bytes(saved), above, tl is not None))
         return tl
 
-    monkeypatch.setattr(planner, "_trial", trial)
+    monkeypatch.setattr(walks, "timeline_within", trial)
     return seen
 
 

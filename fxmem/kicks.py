@@ -1,0 +1,135 @@
+"""Below where the planner's walks stall: kicks and swaps.
+
+A walk ends where no single move lowers the peak, which is not always the lowest peak there
+is: a value recomputed early in the backward (a residual, rebuilt for an MLP's backward from
+its block's attention) can hold what it is made of alive through a later peak, and saving it
+instead first raises the peak somewhere else, which the walk never accepts. So from each
+walk's lowest state, `kicked` saves one such value, keeps it saved, and walks on; the first
+that ends lower is taken and the search goes on from there. Where no such value does, it
+swaps: one saved storage alive at the peak recomputed, one recomputed value saved instead,
+where that lowers the peak (`_swapped`), and walks on. The planner runs it only for a budget
+below the walks' lowest peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from fxmem.graph import FWD, JointGraph
+from fxmem.schedule import InfeasibleSave
+from fxmem.walks import Choice, Effort, Move, at_peak, capped, saved_members, timeline_within, walk
+
+__all__ = ["kicked"]
+
+# `kicked` may simulate as often as the walk it starts from did, or this many times on a short
+# walk (and no more than `capped` allows)
+_KICK_SIMULATIONS = 50
+
+
+def kicked(
+    jg: JointGraph,
+    order: Callable[[Move], tuple],
+    states: list[Choice],
+    walked_for: int,
+    refused: dict[bytes, int] | None = None,
+) -> list[Choice]:
+    """States below the lowest of `states`, walked to from it by saving a recomputed value.
+
+    The values tried are those read by a recomputed storage alive at the lowest state's peak
+    that are recomputed themselves and not alive then: saving one lets the backward recompute
+    what it is made of later, or not at all. Its peak may rise elsewhere first; the walk on
+    from there keeps it saved. Where none ends lower, a swap that lowers the peak at once
+    (`_swapped`) is walked on from, the value it saves kept saved. Kicks and swaps together
+    simulate at most as often as the walk to `states` did (`walked_for` times), or
+    `_KICK_SIMULATIONS` times on a short walk: they cost at most about as much planning time
+    again. On large graphs (tens of thousands of nodes, where a walk takes minutes)
+    `capped` bounds it lower."""
+    best = min(states, key=lambda c: c.timeline.peak_bytes)
+    found: list[Choice] = []
+    limit = capped(jg, max(walked_for, _KICK_SIMULATIONS))
+    effort = Effort(limit=limit)
+    lowered = True
+    while lowered:
+        lowered = False
+        for u in _readers_to_save(jg, best):
+            start = best.saved.copy()
+            start[u] = True
+            try:
+                walked = walk(jg, order, effort, start, kept={jg.storage[u]}, retries=0, refused=refused)
+            except InfeasibleSave:
+                continue
+            if not walked:
+                return found  # effort spent
+            lowest = min(walked, key=lambda c: c.timeline.peak_bytes)
+            if lowest.timeline.peak_bytes < best.timeline.peak_bytes:
+                found += walked
+                best, lowered = lowest, True
+                break
+        if lowered:
+            continue
+        swapped = _swapped(jg, best, effort)
+        if swapped is None:
+            return found
+        start, u = swapped
+        walked = walk(
+            jg, order, effort, start.saved, kept={jg.storage[u]}, retries=0, timeline=start.timeline, refused=refused
+        )
+        found += walked
+        best, lowered = min(walked, key=lambda c: c.timeline.peak_bytes), True
+    return found
+
+
+def _swapped(jg: JointGraph, choice: Choice, effort: Effort) -> tuple[Choice, int] | None:
+    """`choice` with one saved storage alive at its peak recomputed and one recomputed forward
+    value saved instead, the first such swap found that lowers the peak, and that value; None
+    if none does (or `effort` is spent first).
+
+    Two residuals of a ConvNeXt: the walk saved the first stage's and recomputes a later
+    one's; saving the later one lets the backward rebuild the first where it needs it, after
+    the peak. Neither an unsave nor a kick reaches it, since each half alone raises the peak.
+    The largest saved storages are tried first; for each, the values no larger than it, the
+    closest in size first (a residual for a residual); then the larger ones."""
+    tl = choice.timeline
+    members = saved_members(jg, choice.saved, tl)
+    alive = [s for s in at_peak(tl, tl.saved_interval) if s in members and not any(jg.banned[i] for i in members[s])]
+    first: dict[int, int] = {}  # per recomputed storage saved nowhere, the node that makes it
+    for i in tl.recomputed:
+        s = jg.storage[i]
+        if jg.kind[i] == FWD and s >= 0 and s not in tl.saved_interval and not choice.saved[i]:
+            first[s] = min(first.get(s, i), i)
+    size = jg.storage_bytes
+    alive.sort(key=lambda s: (-size[s], s))
+
+    def pairs() -> Iterator[tuple[int, int]]:
+        for larger in (False, True):
+            for s in alive:
+                us = [u for su, u in first.items() if (size[su] > size[s]) == larger]
+                yield from ((s, u) for u in sorted(us, key=lambda u: (abs(size[s] - size[jg.storage[u]]), u)))
+
+    for s, u in pairs():
+        if not effort.spend():
+            return None
+        trial = choice.saved.copy()
+        trial[u] = True
+        for i in members[s]:
+            trial[i] = False
+        new_tl = timeline_within(jg, trial, tl.peak_bytes - 1)
+        if new_tl is not None:
+            return Choice(trial, new_tl), u
+    return None
+
+
+def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:
+    """Recomputed nodes, one a storage, that read a recomputed storage alive at the peak and
+    are not alive then themselves."""
+    tl = choice.timeline
+    recomputed = set(tl.recomputed)
+    alive = set(at_peak(tl, tl.recomputed_interval))
+    first: dict[int, int] = {}
+    for s in sorted(alive):
+        for i in jg.storage_nodes[s]:
+            for u in jg.users[i]:
+                su = jg.storage[u]
+                if u in recomputed and su >= 0 and su not in alive and not choice.saved[u]:
+                    first[su] = min(first.get(su, u), u)
+    return sorted(first.values())
