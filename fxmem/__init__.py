@@ -9,7 +9,7 @@ or, without importing fxmem: torch.compile(model, backend="fxmem", options={"bud
 """
 
 from fxmem.api import FxmemModule, optimize
-from fxmem.backend import fxmem_backend, recent_plans
+from fxmem.backend import GradientsHeldWarning, fxmem_backend, recent_plans
 from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
 from fxmem.outputs import OutputsHeldWarning
@@ -20,6 +20,7 @@ __all__ = [
     "DataDependentShapeError",
     "Decision",
     "FxmemModule",
+    "GradientsHeldWarning",
     "GraphBreakError",
     "Measurement",
     "OutputsHeldWarning",

@@ -74,6 +74,10 @@ def optimize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, FxmemModule):
+        raise TypeError(
+            "this module is already optimized by fxmem: pass the original (its .module) to plan it with other settings"
+        )
     check_budget_gb(budget_gb)
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
@@ -118,20 +122,27 @@ class FxmemModule(nn.Module):
         options.on_plan = self._record_plan
         self.__dict__["_fxmem_options"] = options
 
-        # torch keeps every backend it compiled with until torch._dynamo.reset(): held weakly,
-        # the options (and through them this module and the model) go when the user drops them.
-        options_ref = weakref.ref(options)
-
-        def backend(gm, example_inputs, **_):
-            opts = options_ref()
-            if opts is None:  # only this module compiles with it, and it holds the options
-                raise RuntimeError("fxmem: the optimized module was freed during compilation")
-            return fxmem_backend(gm, example_inputs, options=opts)
-
-        self.__dict__["_fxmem_compiled"] = torch.compile(
-            model, backend=backend, fullgraph=True, dynamic=False, **tp.own_recompiles()
-        )
+        # Per number of gradients held as a step starts, the step compiled (and planned) for
+        # it: accumulating gradients over steps holds them through the next forward and
+        # backward, which a plan made without them would not count.
+        self.__dict__["_fxmem_compiled"] = {}
         self.training = model.training
+
+    def _compiled_step(self) -> Any:
+        held = sum(p.grad is not None for p in self._fxmem_model.parameters())
+        compiled = self._fxmem_compiled.get(held)
+        if compiled is None:
+            # A backend of its own: Dynamo would otherwise run the step compiled for another
+            # count, its guards being the same.
+            compiled = torch.compile(
+                self._fxmem_model,
+                backend=_backend(weakref.ref(self._fxmem_options)),
+                fullgraph=True,
+                dynamic=False,
+                **tp.own_recompiles(),
+            )
+            self._fxmem_compiled[held] = compiled
+        return compiled
 
     # -- the plan ---------------------------------------------------------------------------
     def _record_plan(self, plan: Plan) -> None:
@@ -143,7 +154,9 @@ class FxmemModule(nn.Module):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan made for the most recent input shape (None before the first call)."""
+        """The plan made most recently (None before the first call): plans are made for each new
+        input shape, and again where a step starts with gradients held that earlier steps'
+        plans did not count (accumulated over steps)."""
         return self._fxmem_plans[-1] if self._fxmem_plans else None
 
     @property
@@ -192,7 +205,7 @@ class FxmemModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             with tp.logging_calls_skipped():
-                return self._fxmem_compiled(*args, **kwargs)
+                return self._compiled_step()(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, BudgetError):
@@ -212,6 +225,15 @@ class FxmemModule(nn.Module):
             raise GraphBreakError(
                 "fxmem plans one graph per step and this model does not capture as one "
                 f"(torch.compile(fullgraph=True) fails): {_why_not_captured(e)}"
+            ) from e
+        except torch._dynamo.exc.UserError as e:
+            if "data-dependent" not in str(e):
+                raise
+            # A branch on a tensor's value (`if x.sum().item() > 0`): the graph would differ by data.
+            raise GraphBreakError(
+                "fxmem plans one graph per step and this model branches on a tensor's value, which "
+                "decides the graph: compute both sides (torch.where) or branch outside the step; "
+                f"{_why_not_captured(e)}"
             ) from e
         # Raised here, without the frames of the capture and the planning it came through:
         # they hold tensors of the step (the random-number state dynamo keeps), which a plan
@@ -263,12 +285,25 @@ class FxmemModule(nn.Module):
             "passes": o.passes,
             "precision": o.precision,
             "margin": o.margin,
+            "keep_outputs": o.keep_outputs,
             "plan": o.plan,
         }
 
     def extra_repr(self) -> str:
         o = self._fxmem_options
         return f"budget_gb={o.budget_gb}, compiler={o.compiler!r}, module={type(self._fxmem_model).__name__}"
+
+
+def _backend(options_ref: weakref.ref) -> Any:
+    # torch keeps every backend it compiled with until torch._dynamo.reset(): held weakly, the
+    # options (and through them the module and the model) go when the user drops them.
+    def backend(gm, example_inputs, **_):
+        opts = options_ref()
+        if opts is None:  # only the module compiles with it, and it holds the options
+            raise RuntimeError("fxmem: the optimized module was freed during compilation")
+        return fxmem_backend(gm, example_inputs, options=opts)
+
+    return backend
 
 
 def _why_not_captured(e: Exception) -> str:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
+import numbers
 import operator
 import os
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import warn_if_outputs_held, with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn, margin_for
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
-from fxmem.pipeline import MICROBATCH, default_passes, run_passes
+from fxmem.pipeline import MICROBATCH, check_pass_names, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
 from fxmem.workspaces import OUTSIDE_TENSORS, allocated_outside_tensors, create_workspaces
@@ -148,8 +151,13 @@ class Options:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opts.optimizer).__name__}")
         if not isinstance(opts.keep_outputs, bool):
             raise TypeError(f"keep_outputs must be True or False, got {opts.keep_outputs!r}")
-        if not 0 <= opts.margin < 0.5:
+        if isinstance(opts.margin, bool) or not isinstance(opts.margin, numbers.Real) or not 0 <= opts.margin < 0.5:
             raise ValueError(f"margin must be a fraction in [0, 0.5), got {opts.margin!r}")
+        if opts.passes is not None:
+            if isinstance(opts.passes, (str, bytes)) or not isinstance(opts.passes, Iterable):
+                raise TypeError(f"passes takes a list of pass names (() for none), got {opts.passes!r}")
+            opts.passes = list(opts.passes)
+            check_pass_names(opts.passes)
         if opts.plan is not None and not isinstance(opts.plan, Plan):
             path = os.fspath(opts.plan)
             opts.plan = Plan.load(os.path.join(path, "plan.json") if os.path.isdir(path) else path)
@@ -223,6 +231,43 @@ def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[s
     return out
 
 
+class GradientsHeldWarning(UserWarning):
+    """A step started with gradients held (accumulated from earlier steps) that its plan,
+    made when they were not, does not count: the step can exceed its budget by their bytes.
+    `fxmem.optimize` plans again for them; under torch.compile(backend="fxmem"), zero the
+    gradients with set_to_none=True between steps, or plan with them held."""
+
+
+def _warn_if_gradients_appear(step: Callable[..., Any], example_inputs: Sequence[Any], budget_bytes: int) -> Any:
+    """`step` warning (`GradientsHeldWarning`) when a call finds gradients held on inputs
+    that had none when it was planned (itself when every such input had one then)."""
+    absent = [
+        i
+        for i, x in enumerate(example_inputs)
+        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and x.grad is None
+    ]
+    if not absent:
+        return step
+
+    # Dynamo calls its backend's result with the graph inputs as arguments.
+    @functools.wraps(step)
+    def run(*args: Any) -> Any:
+        held = sum(args[i].grad.untyped_storage().nbytes() for i in absent if args[i].grad is not None)
+        if held:
+            warnings.warn(
+                f"fxmem: this step starts with {format_bytes(held)} of gradients held (accumulated from an "
+                f"earlier step) that its plan, made without them, does not count: it can exceed its budget "
+                f"of {format_bytes(budget_bytes)}. fxmem.optimize plans again for them; under "
+                "torch.compile, zero gradients with set_to_none=True between steps",
+                GradientsHeldWarning,
+                stacklevel=1,
+            )
+        return step(*args)
+
+    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
+    return run
+
+
 def _fix_shapes(example_inputs: Sequence[Any]) -> None:
     """Specialise the graph to its example inputs' sizes.
 
@@ -284,14 +329,20 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
 
 
 def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
-    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, margin,
-    keep_outputs (see `fxmem.optimize`), dump (a folder to save every plan into; default
-    $FXMEM_DUMP), plan (a saved plan.json to apply)."""
+    """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, precision,
+    margin, keep_outputs (see `fxmem.optimize`), dump (a folder to save every plan into;
+    default $FXMEM_DUMP), plan (a saved plan.json to apply), on_plan (called with each plan as
+    it is made)."""
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
     ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
     device = _device_of(example_inputs)
+    if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs):
+        raise ValueError(
+            "the model or its inputs are on the meta device, where nothing runs: load or materialize "
+            "them first (module.to_empty(device=...)); `fxmem estimate` plans a model built on meta"
+        )
     _fix_shapes(example_inputs)
     _inline_fixed_sizes(gm)
     _refuse_data_dependent_sizes(gm)
@@ -357,7 +408,15 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
     # Premises the passes took about module buffers; outputs they finish outside the step;
     # outputs the plan counted as let go before the backward.
     step = checked(with_output_hooks(compiled, gm), gm)
+    if not made:
+        # No backward, so nothing to plan: called under torch.no_grad() or inference_mode(),
+        # or nothing in the step requires a gradient. AOTAutograd compiled the forward alone,
+        # and it saves nothing.
+        log.info("no backward to plan: the forward runs as compiled")
+        return step
     plan = made[-1]  # made while compiling: the plan the step runs
+    if plan.budget_bytes is not None:
+        step = _warn_if_gradients_appear(step, example_inputs, plan.budget_bytes)
     if opts.keep_outputs or plan.budget_bytes is None or not plan.released_outputs:
         return step
     # Numbers only: the step outlives its module in caches beyond fxmem's reach (Dynamo's,

@@ -234,7 +234,10 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
     device_memory = parse_size(args.device_memory) if args.device_memory else None
     factory = load_factory(args.factory)
     progress.stage("Tracing on meta tensors and planning")
-    est = estimate(lambda: _build(factory, args.factory), args.optimizer, compiler=args.compiler)
+    try:
+        est = estimate(lambda: _build(factory, args.factory), args.optimizer, compiler=args.compiler)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     progress.done()
     print(est.table(device_memory))
     if args.out:

@@ -20,7 +20,9 @@ class BudgetError(ValueError):
     `floor_bytes` is the smallest budget fxmem found a plan for; `plan` is that plan.
     """
 
-    def __init__(self, budget_bytes: int, floor_bytes: int, breakdown: dict[str, int], plan: Plan | None):
+    def __init__(
+        self, budget_bytes: int, floor_bytes: int, breakdown: dict[str, int], plan: Plan | None, hint: str = ""
+    ):
         self.budget_bytes = budget_bytes
         self.floor_bytes = floor_bytes
         self.breakdown = breakdown
@@ -31,7 +33,7 @@ class BudgetError(ValueError):
         super().__init__(
             f"budget {format_bytes(budget_bytes)} is below the smallest budget fxmem can plan this step for, "
             f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}){peak}; "
-            f"at that peak: {parts}"
+            f"at that peak: {parts}" + (f"; {hint}" if hint else "")
         )
 
 

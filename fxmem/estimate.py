@@ -216,6 +216,16 @@ def estimate(
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         with _cross_entropy_for_meta(), tp.logging_calls_skipped():
             compiled(*args, **kwargs)  # traces and plans; the meta forward computes nothing
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        # HF's key/value caches start as empty tensors the trace keeps as constants, which on
+        # meta are real meta tensors beside the trace's fake ones.
+        caching = kwargs.get("use_cache", getattr(getattr(model, "config", None), "use_cache", False))
+        if "FakeTensor" in str(e) and caching:
+            raise ValueError(
+                "the model's key/value cache (use_cache=True) cannot be traced on the meta device: "
+                "pass use_cache=False in the example inputs (fxmem.optimize counts the caches of a real step)"
+            ) from e
+        raise
     finally:
         model.train(was_training)
     if not plans:

@@ -44,7 +44,7 @@ from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import FWD, JointGraph
 from fxmem.nodes import module_path, source_line
 from fxmem.opaque import seeds_from_buffers
-from fxmem.plan import Decision, Plan
+from fxmem.plan import Decision, Plan, format_bytes
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
 from fxmem.simulate import Timeline, let_go, simulate
@@ -63,6 +63,7 @@ _SECOND_MIN_GAIN = 0.04
 # and a fixed amount.
 _MARGIN_FRACTION = 0.03
 _MARGIN_BYTES = 2 * 2**20
+_FLOOR_SLACK_BYTES = 16 * 2**10
 
 
 def budget_for(
@@ -107,6 +108,12 @@ class PlanRequest:
         """The smallest budget whose limit admits a simulated peak of `peak_bytes`."""
         return budget_for(self.reserved_bytes() + peak_bytes, self.margin_bytes, self.margin_fraction)
 
+    def floor_for(self, peak_bytes: int) -> int:
+        """The budget a refusal names for a simulated peak of `peak_bytes`: `budget_for`'s, with
+        room for the few small tensors a retry at it may find alive besides (a loss the caller
+        kept, an optimizer's step counters), which would refuse it by a few hundred bytes."""
+        return self.budget_for(peak_bytes) + _FLOOR_SLACK_BYTES
+
     def margin(self) -> int:
         """Head-room kept between the predicted peak and the budget."""
         return margin_for(self.budget_bytes, self.margin_bytes, self.margin_fraction)
@@ -134,6 +141,11 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
     @_old_objects_set_aside()
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_: Any):
         t0 = time.perf_counter()
+        if req.reuse is not None and req.reuse.compiler != req.compiler:
+            raise PlanMismatchError(
+                f"the saved plan was made with compiler={req.reuse.compiler!r}, this step compiles with "
+                f"compiler={req.compiler!r} (another graph): pass the plan's compiler, or plan again"
+            )
         if req.reuse is not None and req.reuse.keep_outputs != req.keep_outputs:
             raise PlanMismatchError(
                 f"the saved plan was made with keep_outputs={req.reuse.keep_outputs}, this step asks for "
@@ -213,11 +225,20 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             if choice is None:  # `choose` searched below the walks of the graph it tried last
                 floor_peak = trajectory.peak(trajectory.smallest)
             floor_choice = trajectory.smallest
-            floor_bytes = req.budget_for(floor_peak)
+            floor_bytes = req.floor_for(floor_peak)
         planning_s = time.perf_counter() - t0
         if choice is None:
+            hint = ""
+            if req.reuse is not None:
+                # A saved plan is one state: the smallest budget it fits is its own peak's, and
+                # planning again reaches down to the floor it was planned beside.
+                hint = (
+                    f"that is the saved plan's (plan=) own need; planning again (without plan=) reached "
+                    f"down to {format_bytes(floor_bytes)} when it was made"
+                )
+                floor_bytes = req.floor_for(trajectory.peak(floor_choice))
             plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s, second, cost.rates, copies)
-            raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan)
+            raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan, hint)
         plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second, cost.rates, copies)
         log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
         fw, bw = emit_graphs(jg, choice, layout_opt)

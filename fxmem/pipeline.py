@@ -19,7 +19,7 @@ from fxmem.passes.fuse_projections import fuse_projections
 from fxmem.passes.index_as_slice import index_as_slice
 from fxmem.passes.swap_sdpa import swap_sdpa
 
-__all__ = ["PASSES", "default_passes", "run_passes"]
+__all__ = ["PASSES", "check_pass_names", "default_passes", "run_passes"]
 
 PassFn = Callable[[fx.GraphModule, Sequence[Any]], tuple[fx.GraphModule, int]]
 
@@ -53,6 +53,12 @@ def default_passes() -> list[str]:
     return [n for n, (_, exact) in PASSES.items() if exact]
 
 
+def check_pass_names(names: Sequence[str]) -> None:
+    unknown = sorted(set(names) - set(PASSES) - {MICROBATCH}, key=repr)
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; available: {sorted([*PASSES, MICROBATCH])}")
+
+
 def run_passes(
     gm: fx.GraphModule, example_inputs: Sequence[Any], names: Sequence[str] | None
 ) -> tuple[fx.GraphModule, dict[str, int]]:
@@ -60,9 +66,7 @@ def run_passes(
     if names is None:
         selected = default_passes()
     else:
-        unknown = sorted(set(names) - set(PASSES) - {MICROBATCH})
-        if unknown:
-            raise ValueError(f"unknown pass(es) {unknown}; available: {sorted([*PASSES, MICROBATCH])}")
+        check_pass_names(names)
         selected = [n for n in PASSES if n in set(names)]
     fired: dict[str, int] = {}
     for name in selected:

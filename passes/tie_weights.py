@@ -111,6 +111,8 @@ def _pairs(model: nn.Module, request: bool | Iterable[Sequence[str]]) -> list[tu
         return [(group[0], other) for group in detect(model).candidates for other in group[1:]]
     if request is False or request is None:
         return []
+    if isinstance(request, (str, bytes)) or not isinstance(request, Iterable):
+        raise ValueError(f"tie_weights takes True, False or pairs of parameter names, got {request!r}")
     pairs = []
     for pair in request:
         if isinstance(pair, str) or len(pair) != 2:

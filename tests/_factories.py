@@ -37,3 +37,21 @@ def raises():
 
 
 NOT_CALLABLE = 3
+
+
+def hf_gpt2(**inputs):
+    """HF GPT-2 from a config (transformers, a test extra), with `inputs` added to its call."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 128, (2, 32))
+    return GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids, **inputs}
+
+
+def hf_gpt2_cached():
+    return hf_gpt2()
+
+
+def hf_gpt2_uncached():
+    return hf_gpt2(use_cache=False)

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+import warnings
 
 import pytest
 import torch
@@ -336,6 +337,22 @@ def test_graph_break_is_a_clear_error_and_leaves_model_untouched():
     _refused_and_untouched(_Breaks(), torch.randn(4, 8), "one graph")
 
 
+class _BranchesOnAValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum().item() > 0:
+            return h.relu().mean()
+        return h.mean()
+
+
+def test_a_branch_on_a_tensors_value_is_a_graph_break_named_as_such():
+    _refused_and_untouched(_BranchesOnAValue(), torch.randn(4, 8), "branches on a tensor's value.*torch.where")
+
+
 class _Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
@@ -358,6 +375,7 @@ def test_shapes_past_the_recompile_limit_are_a_clear_error():
     limit = torch._dynamo.config.recompile_limit
     for batch in range(1, limit + 1):  # each shape planned
         m(torch.randn(batch, 8)).sum().backward()
+        zero_grads(model)
     assert len(m.plans) == limit
     with pytest.raises(RuntimeError, match="recompile_limit"):
         m(torch.randn(limit + 1, 8))
@@ -378,6 +396,168 @@ def test_bad_options_refused():
         fxmem.optimize("not a module", 1.0)
     with pytest.raises(TypeError, match="optimizer"):
         fxmem.optimize(nn.Linear(2, 2), 1.0, optimizer="adamw")
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"passes": "swap_sdpa"}, TypeError, "list of pass names"),
+        ({"passes": ("swap_sdpa", "nope")}, ValueError, r"unknown pass\(es\) \['nope'\]"),
+        ({"tie_weights": "yes"}, ValueError, "True, False or pairs"),
+        ({"margin": "0.1"}, ValueError, "margin"),
+        ({"margin": 0.6}, ValueError, "margin"),
+    ],
+)
+def test_bad_options_refused_when_optimizing_not_at_the_first_call(options, error, match):
+    model = nn.Linear(2, 2)
+    before = dict(model.named_parameters())
+    with pytest.raises(error, match=match):
+        fxmem.optimize(model, 1.0, **options)
+    assert dict(model.named_parameters()) == before
+
+
+def test_an_optimized_module_is_not_optimized_again():
+    m = fxmem.optimize(nn.Linear(2, 2), 1.0)
+    with pytest.raises(TypeError, match=r"already optimized.*\.module"):
+        fxmem.optimize(m, 0.5)
+    assert isinstance(fxmem.optimize(m.module, 0.5), fxmem.FxmemModule)
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = nn.Linear(8, 8)
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    with pytest.raises(ValueError, match="meta device"):
+        m(torch.randn(4, 8, device="meta")).sum().backward()
+    assert m.plan is None
+
+
+def test_a_copy_keeps_every_setting():
+    m = fxmem.optimize(nn.Linear(2, 2), 0.5, compiler="eager", passes=(), margin=0.1, keep_outputs=False)
+    o, c = m._fxmem_options, copy.deepcopy(m)._fxmem_options
+    assert (c.budget_gb, c.compiler, c.passes, c.margin, c.keep_outputs) == (
+        o.budget_gb,
+        o.compiler,
+        o.passes,
+        o.margin,
+        o.keep_outputs,
+    )
+    assert c.keep_outputs is False
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)), torch.randn(512, 64)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_calls_without_a_backward_run_the_forward_unplanned(compiler):
+    """Under torch.no_grad() or inference_mode(), or with nothing requiring a gradient, there
+    is no backward to plan: the forward runs as eager's does, and the training step's plan
+    stays the one the module reports."""
+    model, x = _mlp()
+    m = fxmem.optimize(model, 1.0, compiler=compiler)
+    with torch.no_grad():
+        assert torch.allclose(m(x), model(x), rtol=1e-5, atol=1e-6)  # before any training step
+    assert m.plan is None
+    m(x).sum().backward()
+    trained = m.plan
+    assert trained is not None
+    with torch.inference_mode():
+        out = m(x)
+    assert torch.allclose(out, model(x).detach(), rtol=1e-5, atol=1e-6)
+    assert m.plan is trained
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert torch.allclose(m(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_backend_runs_a_forward_without_a_backward():
+    model, x = _mlp()
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": 1.0, "compiler": "eager"})
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+class _DeepMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(256 if i == 0 else 1024, 1024) for i in range(4))
+        self.head = nn.Linear(1024, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return self.head(x).square().mean()
+
+
+def test_gradients_accumulated_over_steps_are_planned_for():
+    """Steps that accumulate gradients (no zero_grad between them) start with the gradients
+    held: the step is planned again for them, and the budget holds where the plan made
+    without them would not (there: 9 MiB over a 63 MiB budget)."""
+    torch.manual_seed(0)
+    model, x = _DeepMLP(), torch.randn(2048, 256)
+    model(x).backward()
+    model(x).backward()
+    ref = grads_of(model)  # two steps' worth
+    zero_grads(model)
+    model(x).backward()
+    with pytest.raises(fxmem.BudgetError) as err:  # the floor with the gradients held
+        fxmem.optimize(model, 1e-6, compiler="eager", example_inputs=(x,))
+    budget = err.value.floor_bytes
+    del err
+    zero_grads(model)
+    m = fxmem.optimize(model, budget / 2**30, compiler="eager")
+    m(x).backward()
+    first = m.plan
+    got = fxmem.measure(lambda: m(x).backward())
+    assert got.peak_bytes <= budget, f"measured {got.peak_bytes / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB"
+    assert len(m.plans) == 2 and "existing gradients" in m.plan.timeline["static"]
+    assert "existing gradients" not in first.timeline["static"]
+    assert max_rel_err(grads_of(model), ref) < 1e-5
+    assert fxmem.measure(lambda: m(x).backward()).peak_bytes <= budget
+    assert len(m.plans) == 2  # planned once for each
+
+
+def test_the_floor_a_plan_names_is_planned_after_steps_that_leave_small_tensors_alive():
+    """After training steps the caller holds a few small tensors the first plan did not see
+    (losses kept, the optimizer's step counters): a budget at the floor that plan named is
+    still planned, and holds."""
+    torch.manual_seed(0)
+    model, x = _DeepMLP(), torch.randn(512, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    m = fxmem.optimize(model, 1.0, compiler="eager", optimizer=opt)
+    losses = []
+    for _ in range(2):
+        loss = m(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    floor = m.plan.floor_bytes
+    again = fxmem.optimize(model, floor / 2**30, compiler="eager", optimizer=opt, example_inputs=(x,))
+
+    def train_step():
+        again(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    assert fxmem.measure(train_step).peak_bytes <= floor
+
+
+def test_the_backend_warns_when_gradients_it_did_not_plan_for_are_held():
+    torch.manual_seed(0)
+    model, x = _DeepMLP(), torch.randn(256, 256)
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": 1.0, "compiler": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.GradientsHeldWarning)
+        compiled(x).backward()
+    with pytest.warns(fxmem.GradientsHeldWarning, match="gradients held"):
+        compiled(x).backward()
+    zero_grads(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.GradientsHeldWarning)
+        compiled(x).backward()
 
 
 def test_same_module_shared_parameters_and_state_dict():

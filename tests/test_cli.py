@@ -53,6 +53,16 @@ def test_clear_errors(argv, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_estimate_of_an_hf_model_with_its_cache_names_use_cache(capsys):
+    """HF's key/value caches cannot be traced on meta tensors: the error says what to pass,
+    and with it the estimate runs."""
+    pytest.importorskip("transformers")
+    assert main(["-q", "estimate", f"{FACTORIES}:hf_gpt2_cached", "--compiler", "eager"]) == 2
+    err = capsys.readouterr().err
+    assert "use_cache=False" in err and err.count("\n") == 1, err
+    assert main(["-q", "estimate", f"{FACTORIES}:hf_gpt2_uncached", "--compiler", "eager"]) == 0
+
+
 def test_plan_then_explain(tmp_path, capsys):
     out = tmp_path / "plan"
     assert (

@@ -196,6 +196,30 @@ def test_saved_plan_is_applied_and_a_different_graph_refused(saved):
         fxmem.optimize(*convnet()[:1], 1.0, compiler="eager", example_inputs=convnet()[1], plan=directory)
 
 
+def test_a_saved_plan_refused_names_its_own_need_and_holds_there(saved):
+    """A saved plan is one state: below its own peak it is refused with the budget it fits
+    (not the floor planning reached beside it), and at that budget it applies and holds."""
+    plan, directory = saved
+    model, batch = small_gpt()
+    with pytest.raises(fxmem.BudgetError, match=r"the saved plan's \(plan=\) own need") as err:
+        fxmem.optimize(model, plan.floor_bytes / 2**30, compiler="eager", example_inputs=batch, plan=directory)
+    need = err.value.floor_bytes
+    assert need > plan.floor_bytes and need >= err.value.plan.predicted_peak_bytes
+    del err
+    torch._dynamo.reset()
+    reused = fxmem.optimize(model, need / 2**30, compiler="eager", example_inputs=batch, plan=directory)
+    assert reused.plan.saved_nodes == plan.saved_nodes
+    got = fxmem.measure(step, reused, *batch)
+    assert got.peak_bytes <= need
+
+
+def test_a_saved_plan_applied_with_another_compiler_names_both(saved):
+    _, directory = saved
+    model, batch = small_gpt()
+    with pytest.raises(fxmem.PlanMismatchError, match="compiler='eager'.*compiler='inductor'"):
+        fxmem.optimize(model, 1.0, compiler="inductor", example_inputs=batch, plan=directory)
+
+
 def test_fxmem_dump_and_backend_option(tmp_path, monkeypatch):
     model, batch = tiny_gpt()
     monkeypatch.setenv("FXMEM_DUMP", str(tmp_path / "env"))
