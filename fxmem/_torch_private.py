@@ -23,6 +23,7 @@ from torch._functorch.partitioners import (
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "RECOMPILE_LIMIT_ERRORS",
@@ -48,6 +49,7 @@ __all__ = [
     "register_log_name",
     "sdpa_backend",
     "trace_artifact",
+    "tree_leaves",
 ]
 
 # What a fullgraph torch.compile raises when a new input needs one recompilation more than

@@ -126,10 +126,17 @@ class FxmemModule(nn.Module):
         # it: accumulating gradients over steps holds them through the next forward and
         # backward, which a plan made without them would not count.
         self.__dict__["_fxmem_compiled"] = {}
+        # The plan each kind of call runs: gradients held, inputs' shapes and dtypes, grad mode.
+        self.__dict__["_fxmem_plan_by_call"] = {}
+        self.__dict__["_fxmem_call"] = None  # the kind of call running (or last run)
         self.training = model.training
 
-    def _compiled_step(self) -> Any:
-        held = sum(p.grad is not None for p in self._fxmem_model.parameters())
+    def _compiled_step(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        inputs = [x for x in tp.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        leaves = [*self._fxmem_model.parameters(), *(x for x in inputs if x.is_leaf)]
+        held = sum(t.requires_grad and t.grad is not None for t in leaves)
+        signature = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        self.__dict__["_fxmem_call"] = (held, signature, torch.is_grad_enabled())
         compiled = self._fxmem_compiled.get(held)
         if compiled is None:
             # A backend of its own: Dynamo would otherwise run the step compiled for another
@@ -151,6 +158,7 @@ class FxmemModule(nn.Module):
         if self._fxmem_ties:
             plan.rewrites["tie_weights"] = self._fxmem_ties
         self._fxmem_plans.append(plan)
+        self._fxmem_plan_by_call[self._fxmem_call] = plan
 
     @property
     def plan(self) -> Plan | None:
@@ -188,6 +196,7 @@ class FxmemModule(nn.Module):
         try:
             with held_while_capturing(buffers.values()):
                 self(*args, **kwargs)
+            planned = self._fxmem_plan_by_call.get(self._fxmem_call)
         finally:
             with torch.no_grad():
                 for k, b in model.named_buffers():
@@ -199,13 +208,13 @@ class FxmemModule(nn.Module):
             # error (a retry at its floor, in the `except` block) would count these copies as
             # live tensors, and its floor would be higher by their bytes.
             del buffers, cpu_rng, cuda_rng
-        return self.plan
+        return planned
 
     # -- calling ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             with tp.logging_calls_skipped():
-                return self._compiled_step()(*args, **kwargs)
+                return self._compiled_step(args, kwargs)(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, BudgetError):
@@ -217,9 +226,10 @@ class FxmemModule(nn.Module):
         except tp.RECOMPILE_LIMIT_ERRORS as e:
             limit = torch._dynamo.config.recompile_limit
             raise RuntimeError(
-                f"fxmem plans each input shape as it comes, and this module has been compiled for "
-                f"{limit} shapes (torch._dynamo.config.recompile_limit): pad inputs to a few sizes, "
-                "or raise that limit before the new shapes come"
+                f"fxmem plans each input shape as it comes, and this module's step has been compiled "
+                f"{limit} times (torch._dynamo.config.recompile_limit; once per input shape, and per "
+                "mode: training, eval(), no_grad()): pad inputs to a few sizes, or raise that limit "
+                "before the new shapes come"
             ) from e
         except torch._dynamo.exc.Unsupported as e:
             raise GraphBreakError(

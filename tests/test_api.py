@@ -510,13 +510,30 @@ def test_gradients_accumulated_over_steps_are_planned_for():
     m = fxmem.optimize(model, budget / 2**30, compiler="eager")
     m(x).backward()
     first = m.plan
-    got = fxmem.measure(lambda: m(x).backward())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.GradientsHeldWarning)  # planned for: nothing to warn of
+        got = fxmem.measure(lambda: m(x).backward())
     assert got.peak_bytes <= budget, f"measured {got.peak_bytes / MiB:.1f} MiB > budget {budget / MiB:.1f} MiB"
     assert len(m.plans) == 2 and "existing gradients" in m.plan.timeline["static"]
     assert "existing gradients" not in first.timeline["static"]
     assert max_rel_err(grads_of(model), ref) < 1e-5
     assert fxmem.measure(lambda: m(x).backward()).peak_bytes <= budget
     assert len(m.plans) == 2  # planned once for each
+    zero_grads(model)
+    assert m.plan_for((x,)) is first  # the plan a step without gradients held runs
+
+
+def test_an_input_holding_a_gradient_is_planned_for():
+    torch.manual_seed(0)
+    model, x = _mlp()
+    x.requires_grad_(True)
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    m(x).sum().backward()
+    zero_grads(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.GradientsHeldWarning)
+        m(x).sum().backward()  # x.grad, accumulated
+    assert len(m.plans) == 2 and "existing gradients" in m.plan.timeline["static"]
 
 
 def test_the_floor_a_plan_names_is_planned_after_steps_that_leave_small_tensors_alive():
