@@ -9,11 +9,12 @@ or, without importing fxmem: torch.compile(model, backend="fxmem", options={"bud
 """
 
 from fxmem.api import FxmemModule, optimize
-from fxmem.backend import GradientsHeldWarning, fxmem_backend, recent_plans
+from fxmem.backend import fxmem_backend, recent_plans
 from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
 from fxmem.outputs import OutputsHeldWarning
 from fxmem.plan import Decision, Plan
+from fxmem.step_start import GradientsHeldWarning
 
 __all__ = [
     "BudgetError",

@@ -12,10 +12,11 @@ import torch
 import torch.nn as nn
 
 from fxmem import _torch_private as tp
-from fxmem.backend import COMPILERS, Options, fxmem_backend, held_while_capturing
+from fxmem.backend import COMPILERS, Options, fxmem_backend
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
+from fxmem.step_start import gradients_held, held_while_capturing
 
 __all__ = ["FxmemModule", "optimize"]
 
@@ -126,17 +127,20 @@ class FxmemModule(nn.Module):
         # it: accumulating gradients over steps holds them through the next forward and
         # backward, which a plan made without them would not count.
         self.__dict__["_fxmem_compiled"] = {}
-        # The plan each kind of call runs: gradients held, inputs' shapes and dtypes, grad mode.
+        # The plan each kind of call runs (`_call_kind`), for `plan_for`.
         self.__dict__["_fxmem_plan_by_call"] = {}
-        self.__dict__["_fxmem_call"] = None  # the kind of call running (or last run)
+        self.__dict__["_fxmem_calling"] = None  # `_call_kind`'s arguments, for the call running
         self.training = model.training
 
-    def _compiled_step(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        inputs = [x for x in tp.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        leaves = [*self._fxmem_model.parameters(), *(x for x in inputs if x.is_leaf)]
-        held = sum(t.requires_grad and t.grad is not None for t in leaves)
-        signature = tuple((tuple(x.shape), x.dtype) for x in inputs)
-        self.__dict__["_fxmem_call"] = (held, signature, torch.is_grad_enabled())
+    def _gradients_held(self, inputs: list[torch.Tensor]) -> int:
+        return gradients_held([*self._fxmem_model.parameters(), *inputs])
+
+    @staticmethod
+    def _call_kind(held: int, inputs: list[torch.Tensor], grad_mode: bool) -> tuple:
+        """What a call's plan depends on: gradients held, inputs' shapes and dtypes, grad mode."""
+        return held, tuple((tuple(x.shape), x.dtype) for x in inputs), grad_mode
+
+    def _compiled_step(self, held: int) -> Any:
         compiled = self._fxmem_compiled.get(held)
         if compiled is None:
             # A backend of its own: Dynamo would otherwise run the step compiled for another
@@ -158,7 +162,8 @@ class FxmemModule(nn.Module):
         if self._fxmem_ties:
             plan.rewrites["tie_weights"] = self._fxmem_ties
         self._fxmem_plans.append(plan)
-        self._fxmem_plan_by_call[self._fxmem_call] = plan
+        if self._fxmem_calling is not None:
+            self._fxmem_plan_by_call[self._call_kind(*self._fxmem_calling)] = plan
 
     @property
     def plan(self) -> Plan | None:
@@ -193,10 +198,12 @@ class FxmemModule(nn.Module):
         buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        inputs = _tensors(args, kwargs)
+        kind = self._call_kind(self._gradients_held(inputs), inputs, torch.is_grad_enabled())
         try:
             with held_while_capturing(buffers.values()):
                 self(*args, **kwargs)
-            planned = self._fxmem_plan_by_call.get(self._fxmem_call)
+            planned = self._fxmem_plan_by_call.get(kind)
         finally:
             with torch.no_grad():
                 for k, b in model.named_buffers():
@@ -207,14 +214,17 @@ class FxmemModule(nn.Module):
             # A BudgetError's traceback keeps this frame: a plan made while the caller holds the
             # error (a retry at its floor, in the `except` block) would count these copies as
             # live tensors, and its floor would be higher by their bytes.
-            del buffers, cpu_rng, cuda_rng
+            del buffers, cpu_rng, cuda_rng, inputs
         return planned
 
     # -- calling ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inputs = _tensors(args, kwargs)
+        held = self._gradients_held(inputs)
+        self.__dict__["_fxmem_calling"] = (held, inputs, torch.is_grad_enabled())  # read when a plan is made
         try:
             with tp.logging_calls_skipped():
-                return self._compiled_step(args, kwargs)(*args, **kwargs)
+                return self._compiled_step(held)(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, BudgetError):
@@ -245,6 +255,8 @@ class FxmemModule(nn.Module):
                 "decides the graph: compute both sides (torch.where) or branch outside the step; "
                 f"{_why_not_captured(e)}"
             ) from e
+        finally:
+            self.__dict__["_fxmem_calling"] = None
         # Raised here, without the frames of the capture and the planning it came through:
         # they hold tensors of the step (the random-number state dynamo keeps), which a plan
         # made while the caller holds the error (a retry at its floor) would count as live.
@@ -311,9 +323,14 @@ def _backend(options_ref: weakref.ref) -> Any:
         opts = options_ref()
         if opts is None:  # only the module compiles with it, and it holds the options
             raise RuntimeError("fxmem: the optimized module was freed during compilation")
-        return fxmem_backend(gm, example_inputs, options=opts)
+        # The module picks the step by the gradients held (`_compiled_step`): nothing to watch.
+        return fxmem_backend(gm, example_inputs, options=opts, watch_gradients=False)
 
     return backend
+
+
+def _tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [x for x in tp.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
 def _why_not_captured(e: Exception) -> str:

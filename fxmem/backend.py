@@ -8,17 +8,14 @@ here, once, into an `Options`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import numbers
 import operator
 import os
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +28,6 @@ from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
 from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
-from fxmem.measure import live_storage_bytes
 from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
@@ -41,7 +37,8 @@ from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, check_pass_names, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
-from fxmem.workspaces import OUTSIDE_TENSORS, allocated_outside_tensors, create_workspaces
+from fxmem.step_start import static_bytes, warn_if_gradients_appear
+from fxmem.workspaces import OUTSIDE_TENSORS
 
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
@@ -181,93 +178,6 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-# Storages (data pointers) fxmem itself holds only while it captures a graph, such as the
-# copy of the buffers `FxmemModule.plan_for` restores: not alive during the user's steps.
-_capture_only: set[int] = set()
-
-
-@contextlib.contextmanager
-def held_while_capturing(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Leave these tensors out of what a capture inside the block counts as alive."""
-    ptrs = {t.untyped_storage().data_ptr() for t in tensors} - _capture_only
-    _capture_only.update(ptrs)
-    try:
-        yield
-    finally:
-        _capture_only.difference_update(ptrs)
-
-
-def _static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[str, int]:
-    """What is alive on the device as the step starts, by category."""
-    seen: set[int] = set()
-    params = grads = other_inputs = 0
-    for x in example_inputs:
-        if not isinstance(x, torch.Tensor) or isinstance(x, tp.FakeTensor) or x.device != device:
-            continue
-        for t, is_grad in ((x, False), (x.grad if x.requires_grad and x.is_leaf else None, True)):
-            if t is None:
-                continue
-            st = t.untyped_storage()
-            if st.data_ptr() in seen:
-                continue
-            seen.add(st.data_ptr())
-            if is_grad:
-                grads += st.nbytes()
-            elif isinstance(x, torch.nn.Parameter):
-                params += st.nbytes()
-            else:
-                other_inputs += st.nbytes()
-    if device.type == "cuda":
-        create_workspaces(device)  # before the scan: what they allocate is then counted below
-    storages = live_storage_bytes(device)
-    live = sum(n for p, n in storages.items() if p not in _capture_only)
-    out = {"parameters": params, "inputs and buffers": other_inputs}
-    if grads:
-        out["existing gradients"] = grads
-    out["other live tensors"] = max(0, live - params - other_inputs - grads)
-    outside = allocated_outside_tensors(device, sum(storages.values()))
-    if outside:
-        out[OUTSIDE_TENSORS] = outside
-    return out
-
-
-class GradientsHeldWarning(UserWarning):
-    """A step started with gradients held (accumulated from earlier steps) that its plan,
-    made when they were not, does not count: the step can exceed its budget by their bytes.
-    `fxmem.optimize` plans again for them; under torch.compile(backend="fxmem"), zero the
-    gradients with set_to_none=True between steps, or plan with them held."""
-
-
-def _warn_if_gradients_appear(step: Callable[..., Any], example_inputs: Sequence[Any], budget_bytes: int) -> Any:
-    """`step` warning (`GradientsHeldWarning`) when a call finds gradients held on inputs
-    that had none when it was planned (itself when every such input had one then)."""
-    absent = [
-        i
-        for i, x in enumerate(example_inputs)
-        if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and x.grad is None
-    ]
-    if not absent:
-        return step
-
-    # Dynamo calls its backend's result with the graph inputs as arguments.
-    @functools.wraps(step)
-    def run(*args: Any) -> Any:
-        held = sum(args[i].grad.untyped_storage().nbytes() for i in absent if args[i].grad is not None)
-        if held:
-            warnings.warn(
-                f"fxmem: this step starts with {format_bytes(held)} of gradients held (accumulated from an "
-                f"earlier step) that its plan, made without them, does not count: it can exceed its budget "
-                f"of {format_bytes(budget_bytes)}. fxmem.optimize plans again for them; under "
-                "torch.compile, zero gradients with set_to_none=True between steps",
-                GradientsHeldWarning,
-                stacklevel=1,
-            )
-        return step(*args)
-
-    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
-    return run
-
-
 def _fix_shapes(example_inputs: Sequence[Any]) -> None:
     """Specialise the graph to its example inputs' sizes.
 
@@ -328,11 +238,19 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
         )
 
 
-def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None, **kwargs: Any):
+def fxmem_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict | None = None,
+    *,
+    watch_gradients: bool = True,
+    **kwargs: Any,
+):
     """torch.compile backend. `options`: budget_gb, compiler, optimizer, passes, precision,
     margin, keep_outputs (see `fxmem.optimize`), dump (a folder to save every plan into;
     default $FXMEM_DUMP), plan (a saved plan.json to apply), on_plan (called with each plan as
-    it is made)."""
+    it is made). `watch_gradients`: warn when a call starts with gradients held that the plan
+    did not count (`fxmem.optimize` plans such calls again instead)."""
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
@@ -360,7 +278,7 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         if opts.on_plan is not None:
             opts.on_plan(plan)
 
-    static = _static_bytes(example_inputs, device)
+    static = static_bytes(example_inputs, device)
     if ledger.others(region):
         # Earlier regions' saved tensors are alive now, held by autograd in C++ (then counted
         # outside tensors, on CUDA) or visible to the live-tensor scan: reserve them once.
@@ -415,8 +333,8 @@ def fxmem_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: di
         log.info("no backward to plan: the forward runs as compiled")
         return step
     plan = made[-1]  # made while compiling: the plan the step runs
-    if plan.budget_bytes is not None:
-        step = _warn_if_gradients_appear(step, example_inputs, plan.budget_bytes)
+    if watch_gradients and plan.budget_bytes is not None:
+        step = warn_if_gradients_appear(step, example_inputs, plan.budget_bytes)
     if opts.keep_outputs or plan.budget_bytes is None or not plan.released_outputs:
         return step
     # Numbers only: the step outlives its module in caches beyond fxmem's reach (Dynamo's,

@@ -309,14 +309,14 @@ def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode(
     # before the allocator's bytes outside tensors are counted; here, the same calls on CPU.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from fxmem.backend import _static_bytes
+    from fxmem.step_start import static_bytes
     from fxmem.workspaces import OUTSIDE_TENSORS, run_small_matmuls
 
     ran = []
 
     def backend(gm, example_inputs):
         ran.append(run_small_matmuls(torch.device("cpu")))
-        ran.append(_static_bytes(example_inputs, torch.device("cpu")))
+        ran.append(static_bytes(example_inputs, torch.device("cpu")))
         return gm.forward
 
     x = torch.randn(4, 4)

@@ -1,0 +1,130 @@
+"""What is alive as a training step starts, and what may be alive at a later one.
+
+A plan counts what is alive when its step is captured (`static_bytes`): parameters, inputs,
+gradients already held, other live tensors, less what fxmem holds only while capturing
+(`held_while_capturing`). Gradients held at a later step's start that were not held then
+(accumulated over steps) are outside the plan: `fxmem.optimize` plans such a step again
+(`gradients_held` picks it), and a step compiled by the torch.compile backend warns
+(`warn_if_gradients_appear`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fxmem import _torch_private as tp
+from fxmem.measure import live_storage_bytes
+from fxmem.plan import format_bytes
+from fxmem.workspaces import OUTSIDE_TENSORS, allocated_outside_tensors, create_workspaces
+
+__all__ = [
+    "GradientsHeldWarning",
+    "gradients_held",
+    "held_while_capturing",
+    "holds_gradients",
+    "static_bytes",
+    "warn_if_gradients_appear",
+]
+
+
+def holds_gradients(x: object) -> bool:
+    """Whether autograd accumulates gradients into `x.grad` (a leaf tensor that requires grad)."""
+    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf
+
+
+def _gradient_held(x: object) -> torch.Tensor | None:
+    return x.grad if holds_gradients(x) else None
+
+
+def gradients_held(tensors: Iterable[object]) -> int:
+    """How many of `tensors` hold a gradient as a step starts."""
+    return sum(_gradient_held(t) is not None for t in tensors)
+
+
+# Storages (data pointers) fxmem itself holds only while it captures a graph, such as the
+# copy of the buffers `FxmemModule.plan_for` restores: not alive during the user's steps.
+_capture_only: set[int] = set()
+
+
+@contextlib.contextmanager
+def held_while_capturing(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Leave these tensors out of what a capture inside the block counts as alive."""
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors} - _capture_only
+    _capture_only.update(ptrs)
+    try:
+        yield
+    finally:
+        _capture_only.difference_update(ptrs)
+
+
+def static_bytes(example_inputs: Sequence[Any], device: torch.device) -> dict[str, int]:
+    """What is alive on the device as the step starts, by category."""
+    seen: set[int] = set()
+    params = grads = other_inputs = 0
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor) or isinstance(x, tp.FakeTensor) or x.device != device:
+            continue
+        for t, is_grad in ((x, False), (_gradient_held(x), True)):
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            if is_grad:
+                grads += st.nbytes()
+            elif isinstance(x, torch.nn.Parameter):
+                params += st.nbytes()
+            else:
+                other_inputs += st.nbytes()
+    if device.type == "cuda":
+        create_workspaces(device)  # before the scan: what they allocate is then counted below
+    storages = live_storage_bytes(device)
+    live = sum(n for p, n in storages.items() if p not in _capture_only)
+    out = {"parameters": params, "inputs and buffers": other_inputs}
+    if grads:
+        out["existing gradients"] = grads
+    out["other live tensors"] = max(0, live - params - other_inputs - grads)
+    outside = allocated_outside_tensors(device, sum(storages.values()))
+    if outside:
+        out[OUTSIDE_TENSORS] = outside
+    return out
+
+
+class GradientsHeldWarning(UserWarning):
+    """A step started with gradients held (accumulated from earlier steps) that its plan,
+    made when they were not, does not count: the step can exceed its budget by their bytes.
+    `fxmem.optimize` plans again for them; under torch.compile(backend="fxmem"), zero the
+    gradients with set_to_none=True between steps, or plan with them held."""
+
+
+def warn_if_gradients_appear(step: Callable[..., Any], example_inputs: Sequence[Any], budget_bytes: int) -> Any:
+    """`step` warning (`GradientsHeldWarning`) when a call finds gradients held on inputs
+    that had none when it was planned (itself when every such input had one then)."""
+    absent = [i for i, x in enumerate(example_inputs) if holds_gradients(x) and x.grad is None]
+    if not absent:
+        return step
+
+    # Dynamo calls its backend's result with the graph inputs as arguments.
+    @functools.wraps(step)
+    def run(*args: Any) -> Any:
+        held = sum(g.untyped_storage().nbytes() for i in absent if (g := args[i].grad) is not None)
+        if held:
+            warnings.warn(
+                f"fxmem: this step starts with {format_bytes(held)} of gradients held (accumulated from an "
+                f"earlier step) that its plan, made without them, does not count: it can exceed its budget "
+                f"of {format_bytes(budget_bytes)}. fxmem.optimize plans again for them; under "
+                "torch.compile, zero gradients with set_to_none=True between steps",
+                GradientsHeldWarning,
+                stacklevel=1,
+            )
+        return step(*args)
+
+    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
+    return run
