@@ -10,7 +10,8 @@ importable module (`my_pkg.models`) or a path to a `.py` file. Sizes take binary
 MB, GB, TB mean KiB, MiB, GiB, TiB (as `budget_gb` does); a bare number is GiB.
 
 Exit status: 0 done (and, for `estimate`, it fits); 1 the budget or device memory is too
-small; 2 a bad argument, path, factory or file.
+small; 2 a bad argument, path, factory or file, or a model fxmem cannot plan; 141 the reader
+of the output closed it first (`fxmem plan ... | head`), as for a command SIGPIPE ends.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -44,8 +46,10 @@ def parse_size(text: str) -> int:
     number, prefix, suffix = m.groups()
     unit = "b" if (suffix and not prefix) else prefix.lower()
     nbytes = float(number) * _UNITS[unit]
-    if not nbytes > 0:
-        raise CliError(f"{text!r}: a size must be greater than 0")
+    if not math.isfinite(nbytes):
+        raise CliError(f"{text!r}: a size must be a finite number")
+    if nbytes < 1:
+        raise CliError(f"{text!r}: a size must be at least 1 byte")
     return int(nbytes)
 
 
@@ -137,6 +141,11 @@ def _loss_of(out: Any) -> Any:
     return out
 
 
+def _model_error(e: Exception) -> CliError:
+    """A model fxmem cannot plan, as a one-line `CliError`."""
+    return CliError(" ".join(str(e).split()))
+
+
 def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
     import fxmem
     from fxmem.estimate import split_inputs
@@ -157,6 +166,13 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
             path = e.plan.save(args.out)
             print(f"the smallest plan fxmem found is in {os.path.dirname(path)}", file=sys.stderr)
         return 1
+    except (fxmem.GraphBreakError, fxmem.DataDependentShapeError) as e:
+        raise _model_error(e) from None
+    if plan is None:
+        raise CliError(
+            f"{args.factory}: the step has no backward to plan, as nothing its output depends on requires "
+            "grad: set requires_grad=True on the parameters it trains"
+        )
     if args.measure:
         from fxmem.plan_files import measure_plan
 
@@ -229,6 +245,7 @@ def _cmd_explain(args: argparse.Namespace, progress: _Progress) -> int:
 
 
 def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
+    from fxmem.errors import GraphBreakError
     from fxmem.estimate import estimate
 
     device_memory = parse_size(args.device_memory) if args.device_memory else None
@@ -236,8 +253,8 @@ def _cmd_estimate(args: argparse.Namespace, progress: _Progress) -> int:
     progress.stage("Tracing on meta tensors and planning")
     try:
         est = estimate(lambda: _build(factory, args.factory), args.optimizer, compiler=args.compiler)
-    except ValueError as e:
-        raise CliError(str(e)) from None
+    except (ValueError, GraphBreakError) as e:
+        raise _model_error(e) from None
     progress.done()
     print(est.table(device_memory))
     if args.out:
@@ -283,10 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     progress = _Progress(quiet=args.quiet)
     try:
-        return args.run(args, progress)
+        status = args.run(args, progress)
+        sys.stdout.flush()  # a closed pipe raises here, not at exit
+        return status
     except CliError as e:
         print(f"fxmem {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say, and nothing for Python to
+        # flush into the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         progress.done()
 

@@ -32,9 +32,37 @@ class BudgetError(ValueError):
         peak = f": its lowest predicted peak, {format_bytes(plan.predicted_peak_bytes)}, and head-room" if plan else ""
         super().__init__(
             f"budget {format_bytes(budget_bytes)} is below the smallest budget fxmem can plan this step for, "
-            f"{format_bytes(floor_bytes)} (budget_gb >= {floor_bytes / 2**30:.4f}){peak}; "
+            f"{format_bytes(floor_bytes)} (budget_gb >= {gib_at_least(floor_bytes)}){peak}; "
             f"at that peak: {parts}" + (f"; {hint}" if hint else "")
         )
+
+
+def gib_at_least(nbytes: int) -> str:
+    """`nbytes` in GiB to four significant digits, rounded up: a budget_gb that admits it."""
+    gib = nbytes / 2**30
+    digits = max(3 - math.floor(math.log10(gib)), 0) if gib > 0 else 4
+    return f"{math.ceil(gib * 10**digits) / 10**digits:.{digits}f}"
+
+
+def why_not_captured(e: Exception) -> str:
+    """Dynamo's reason for a graph break in a line: its summary, its explanation (torch 2.15's
+    summary can be only "Unsupported function call (delayed)", the reason, an LSTM say, is in
+    the explanation) and the user's line it stopped at."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    parts = lines[:1]
+    parts += [line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")]
+    if "from user code:" in lines:
+        where = lines[lines.index("from user code:") + 1 :]
+        parts += [line for line in where if line.startswith("File ")][-1:]
+    return "; ".join(p.rstrip(".") for p in parts if p)
+
+
+def not_one_graph(e: Exception) -> GraphBreakError:
+    """The error for a step Dynamo could not capture whole (`e`: its `Unsupported`)."""
+    return GraphBreakError(
+        "fxmem plans one graph per step and this model does not capture as one "
+        f"(torch.compile(fullgraph=True) fails): {why_not_captured(e)}"
+    )
 
 
 class PlanMismatchError(ValueError):

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from fxmem import _torch_private as tp
 from fxmem.backend import _EAGER_DECOMPOSITIONS
 from fxmem.cost import tensor_bytes
+from fxmem.errors import not_one_graph
 from fxmem.optimizer import optimizer_bytes
-from fxmem.partition import PlanRequest, make_partition_fn
+from fxmem.partition import _MARGIN_BYTES, _MARGIN_FRACTION, PlanRequest, make_partition_fn
 from fxmem.pipeline import run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_record import category_curves
@@ -73,7 +74,7 @@ class Estimate:
 
     def table(self, device_memory_bytes: int | None = None) -> str:
         rows = [
-            ("parameters", self.parameter_bytes, f"{self.parameters / 1e9:.3f} B"),
+            ("parameters", self.parameter_bytes, _count(self.parameters, "parameters")),
             ("gradients", self.gradient_bytes, ""),
             (f"optimizer state ({self.optimizer})", self.optimizer_state_bytes, ""),
             ("inputs and buffers", self.input_bytes, ""),
@@ -82,11 +83,23 @@ class Estimate:
         ]
         lines = [f"fxmem estimate for {self.model} (meta tensors: nothing was allocated or run)"]
         lines += [f"  {name:<30} {format_bytes(b):>11}  {note}" for name, b, note in rows]
-        lines.append(f"  {'peak, nothing recomputed':<30} {format_bytes(self.peak_bytes):>11}")
-        lines.append(f"  {'floor with fxmem recomputation':<30} {format_bytes(self.floor_bytes):>11}")
+        head_room = f"{format_bytes(_MARGIN_BYTES)} + {_MARGIN_FRACTION:.0%}"
+        lines.append(f"  {'peak, nothing recomputed':<30} {format_bytes(self.peak_bytes):>11}  no head-room")
+        lines.append(
+            f"  {'floor with fxmem recomputation':<30} {format_bytes(self.floor_bytes):>11}  "
+            f"the smallest budget: the lowest peak plus head-room ({head_room} of the budget)"
+        )
         if device_memory_bytes is not None:
             lines.append("  => " + self.verdict(device_memory_bytes))
         return "\n".join(lines)
+
+
+def _count(n: int, what: str) -> str:
+    """'173,568 parameters', '1,235,814,400 parameters (1.24 billion)'."""
+    for scale, word in ((1e9, "billion"), (1e6, "million")):
+        if n >= scale:
+            return f"{n:,} {what} ({n / scale:.2f} {word})"
+    return f"{n:,} {what}"
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -216,6 +229,8 @@ def estimate(
         compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
         with _cross_entropy_for_meta(), tp.logging_calls_skipped():
             compiled(*args, **kwargs)  # traces and plans; the meta forward computes nothing
+    except torch._dynamo.exc.Unsupported as e:
+        raise not_one_graph(e) from e
     except torch._dynamo.exc.TorchRuntimeError as e:
         # HF's key/value caches start as empty tensors the trace keeps as constants, which on
         # meta are real meta tensors beside the trace's fake ones.
@@ -229,7 +244,10 @@ def estimate(
     finally:
         model.train(was_training)
     if not plans:
-        raise RuntimeError("nothing was planned: does the model's forward produce a loss that needs gradients?")
+        raise ValueError(
+            "the step has no backward to plan, as nothing its output depends on requires grad: "
+            "set requires_grad=True on the parameters it trains"
+        )
     plan = plans[-1]
     # Activations: the most that is alive in the forward and backward besides gradients.
     curves = category_curves(plan.timeline)

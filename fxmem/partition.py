@@ -44,7 +44,7 @@ from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import FWD, JointGraph
 from fxmem.nodes import module_path, source_line
 from fxmem.opaque import seeds_from_buffers
-from fxmem.plan import Decision, Plan, format_bytes
+from fxmem.plan import FLOOR_SLACK_BYTES, Decision, Plan, format_bytes
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
 from fxmem.simulate import Timeline, let_go, simulate
@@ -63,7 +63,6 @@ _SECOND_MIN_GAIN = 0.04
 # and a fixed amount.
 _MARGIN_FRACTION = 0.03
 _MARGIN_BYTES = 2 * 2**20
-_FLOOR_SLACK_BYTES = 16 * 2**10
 
 
 def budget_for(
@@ -112,7 +111,7 @@ class PlanRequest:
         """The budget a refusal names for a simulated peak of `peak_bytes`: `budget_for`'s, with
         room for the few small tensors a retry at it may find alive besides (a loss the caller
         kept, an optimizer's step counters), which would refuse it by a few hundred bytes."""
-        return self.budget_for(peak_bytes) + _FLOOR_SLACK_BYTES
+        return self.budget_for(peak_bytes) + FLOOR_SLACK_BYTES
 
     def margin(self) -> int:
         """Head-room kept between the predicted peak and the budget."""

@@ -13,6 +13,10 @@ _COMPACT_KEYS = ("timeline", "graph", "saved_nodes", "measured")
 # version 1 lacks timeline, graph, fingerprint and saved_nodes; version 2 second_recomputation;
 # version 3 copies_time_s; version 4 backward_copies; version 6 keep_outputs
 _READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# A floor is the budget for the lowest predicted peak plus this much: room for the few small
+# tensors a retry at it may find alive besides (a loss the caller kept, an optimizer's step
+# counters). A budget is refused only below the floor less it.
+FLOOR_SLACK_BYTES = 16 * 2**10
 
 
 def format_bytes(n: float) -> str:
@@ -78,7 +82,7 @@ class Plan:
     backward_copies: bool = True
     # False: planned for a caller that lets what the step returns go before the backward;
     # [position among the step's outputs, storage, bytes] of each output freed at the forward's
-    # end so (the premise each call checks: `fxmem.outputs.warn_if_outputs_held`).
+    # end so (the premise each call checks: `fxmem.outputs.watch_outputs`).
     keep_outputs: bool = True
     released_outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -113,6 +117,11 @@ class Plan:
 
     def summary(self, top: int = 10) -> str:
         budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none"
+        if self.budget_bytes is not None and self.floor_bytes - FLOOR_SLACK_BYTES > self.budget_bytes:
+            budget += (
+                f", below the floor ({format_bytes(self.floor_bytes)}): refused; this plan, the smallest found, "
+                "does not fit it"
+            )
         lines = [
             f"fxmem plan ({self.compiler}, {self.device}, {self.graph_nodes} joint nodes, "
             f"planned in {self.planning_s:.2f} s)",

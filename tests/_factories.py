@@ -55,3 +55,23 @@ def hf_gpt2_cached():
 
 def hf_gpt2_uncached():
     return hf_gpt2(use_cache=False)
+
+
+class _PrintsInForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        print("a graph break")
+        return self.b(h).mean()
+
+
+def graph_break():
+    return _PrintsInForward(), (torch.randn(4, 16),)
+
+
+def frozen_linear():
+    return torch.nn.Linear(4, 4).requires_grad_(False), (torch.randn(2, 4),)

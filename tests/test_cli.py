@@ -26,10 +26,19 @@ def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["", "eight GB", "8 GBs", "-1GB", "0", "8XB", "GB"])
+@pytest.mark.parametrize("text", ["", "eight GB", "8 GBs", "-1GB", "0", "8XB", "GB", "1e-12", "0.5b", "1e400"])
 def test_parse_size_refuses(text):
     with pytest.raises(CliError):
         parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "budget, message", [("1e-12", "at least 1 byte"), ("0.5b", "at least 1 byte"), ("1e400", "a finite number")]
+)
+def test_budget_under_a_byte_or_infinite_is_a_clear_error(budget, message, capsys):
+    assert main(["-q", "plan", f"{FACTORIES}:tiny_gpt", "--budget", budget]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize(
@@ -51,6 +60,41 @@ def test_clear_errors(argv, message, capsys):
     assert main(["-q", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_model_without_a_backward_is_a_clear_error(command, tmp_path, capsys):
+    budget = ["--budget", "1GB", "--out", str(tmp_path / "plan")] if command == "plan" else []
+    assert main(["-q", command, f"{FACTORIES}:frozen_linear", "--compiler", "eager", *budget]) == 2
+    err = capsys.readouterr().err
+    assert "no backward to plan" in err and "requires_grad=True" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "plan").exists()
+
+
+@pytest.mark.parametrize("command", ["plan", "estimate"])
+def test_graph_break_is_a_clear_error(command, tmp_path, capsys):
+    budget = ["--budget", "1GB", "--out", str(tmp_path / "plan")] if command == "plan" else []
+    assert main(["-q", command, f"{FACTORIES}:graph_break", "--compiler", "eager", *budget]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "USDT" not in line]
+    assert len(err) == 1, err
+    assert err[0].startswith(f"fxmem {command}: error: fxmem plans one graph per step and this model does not")
+    assert "`print`" in err[0] and "_factories.py" in err[0]
+
+
+def test_closed_stdout_ends_quietly(tmp_path):
+    """`fxmem explain plan | head`: the reader closes the pipe first; no traceback, and not
+    exit status 1, which says the budget is too small."""
+    from fxmem.plan import Plan
+
+    Plan(2**30, 2**20, 2**20, 2**20, {"parameters": 2**20}, []).save(tmp_path, files=False)
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fxmem.cli", "explain", str(tmp_path)], stdout=subprocess.PIPE, stderr=stderr
+        )
+        proc.stdout.close()  # before the command writes: it starts by importing torch
+        assert proc.wait(timeout=120) == 141
+    err = [line for line in (tmp_path / "stderr").read_text().splitlines() if "USDT" not in line]
+    assert err == []
 
 
 def test_estimate_of_an_hf_model_with_its_cache_names_use_cache(capsys):
@@ -91,6 +135,10 @@ def test_plan_over_budget_exits_1_and_keeps_the_smallest_plan(tmp_path, capsys):
     )
     assert "below the smallest budget" in capsys.readouterr().err
     assert (out / "plan.json").exists()
+    assert main(["explain", str(out), "--top", "0"]) == 0
+    budget_line = capsys.readouterr().out.splitlines()[1]
+    assert budget_line.startswith("  budget           100.0 KiB, below the floor (")
+    assert budget_line.endswith("): refused; this plan, the smallest found, does not fit it")
 
 
 def test_estimate_matches_planning_on_real_tensors(capsys, monkeypatch):
@@ -138,6 +186,21 @@ def test_estimate_cli_verdict_and_exit_status(capsys):
     assert "fits in 1.00 GiB" in table
     assert main(["-q", "estimate", f"{FACTORIES}:tiny_gpt", "--device-memory", "64KB", "--compiler", "eager"]) == 1
     assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_estimate_table_counts_parameters_and_names_the_head_room():
+    from fxmem.estimate import Estimate
+
+    mib = 2**20
+    est = Estimate("GPT", 173_568, 694_272, 0, 694_272, "adamw", 0, 0, 0, 5 * mib, 6 * mib, plan=None)
+    rows = {line[2:32].strip(): line[32:] for line in est.table().splitlines()[1:]}
+    assert rows["parameters"] == "   678.0 KiB  173,568 parameters"
+    assert rows["peak, nothing recomputed"] == "     5.0 MiB  no head-room"
+    assert rows["floor with fxmem recomputation"] == (
+        "     6.0 MiB  the smallest budget: the lowest peak plus head-room (2.0 MiB + 3% of the budget)"
+    )
+    big = Estimate("Llama", 1_235_814_400, 0, 0, 0, "adamw", 0, 0, 0, 0, 0, plan=None)
+    assert "1,235,814,400 parameters (1.24 billion)" in big.table()
 
 
 def test_console_script_runs_as_a_module(tmp_path):
