@@ -12,7 +12,7 @@ from fxmem.api import FxmemModule, optimize
 from fxmem.backend import fxmem_backend, recent_plans
 from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
-from fxmem.outputs import OutputsHeldWarning
+from fxmem.outputs import LossOutsideWarning, OutputsHeldWarning
 from fxmem.plan import Decision, Plan
 from fxmem.step_start import GradientsHeldWarning
 
@@ -24,6 +24,7 @@ __all__ = [
     "GradientsHeldWarning",
     "GraphBreakError",
     "Measurement",
+    "LossOutsideWarning",
     "OutputsHeldWarning",
     "Plan",
     "PlanMismatchError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 from fxmem import _torch_private as tp
 from fxmem.backend import COMPILERS, Options, fxmem_backend
-from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb
+from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb, not_one_graph, why_not_captured
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
 from fxmem.step_start import gradients_held, held_while_capturing
@@ -129,7 +130,8 @@ class FxmemModule(nn.Module):
         self.__dict__["_fxmem_compiled"] = {}
         # The plan each kind of call runs (`_call_kind`), for `plan_for`.
         self.__dict__["_fxmem_plan_by_call"] = {}
-        self.__dict__["_fxmem_calling"] = None  # `_call_kind`'s arguments, for the call running
+        # `_call_kind`'s arguments, for the call running in each thread (`.args`).
+        self.__dict__["_fxmem_calling"] = threading.local()
         self.training = model.training
 
     def _gradients_held(self, inputs: list[torch.Tensor]) -> int:
@@ -162,8 +164,9 @@ class FxmemModule(nn.Module):
         if self._fxmem_ties:
             plan.rewrites["tie_weights"] = self._fxmem_ties
         self._fxmem_plans.append(plan)
-        if self._fxmem_calling is not None:
-            self._fxmem_plan_by_call[self._call_kind(*self._fxmem_calling)] = plan
+        calling = getattr(self._fxmem_calling, "args", None)
+        if calling is not None:
+            self._fxmem_plan_by_call[self._call_kind(*calling)] = plan
 
     @property
     def plan(self) -> Plan | None:
@@ -221,7 +224,7 @@ class FxmemModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = _tensors(args, kwargs)
         held = self._gradients_held(inputs)
-        self.__dict__["_fxmem_calling"] = (held, inputs, torch.is_grad_enabled())  # read when a plan is made
+        self._fxmem_calling.args = (held, inputs, torch.is_grad_enabled())  # read when a plan is made
         try:
             with tp.logging_calls_skipped():
                 return self._compiled_step(held)(*args, **kwargs)
@@ -236,16 +239,14 @@ class FxmemModule(nn.Module):
         except tp.RECOMPILE_LIMIT_ERRORS as e:
             limit = torch._dynamo.config.recompile_limit
             raise RuntimeError(
-                f"fxmem plans each input shape as it comes, and this module's step has been compiled "
-                f"{limit} times (torch._dynamo.config.recompile_limit; once per input shape, and per "
-                "mode: training, eval(), no_grad()): pad inputs to a few sizes, or raise that limit "
-                "before the new shapes come"
+                "fxmem compiles and plans the step once per kind of call (input shapes, values of "
+                "non-tensor arguments, mode: training, eval(), no_grad()), and this module's step has "
+                f"been compiled {limit} times, Dynamo's limit (torch._dynamo.config.recompile_limit; "
+                "its warning above names what changed last): pad inputs to a few sizes, pass values "
+                "that change as tensors, or raise that limit before the new calls come"
             ) from e
         except torch._dynamo.exc.Unsupported as e:
-            raise GraphBreakError(
-                "fxmem plans one graph per step and this model does not capture as one "
-                f"(torch.compile(fullgraph=True) fails): {_why_not_captured(e)}"
-            ) from e
+            raise not_one_graph(e) from e
         except torch._dynamo.exc.UserError as e:
             if "data-dependent" not in str(e):
                 raise
@@ -253,10 +254,10 @@ class FxmemModule(nn.Module):
             raise GraphBreakError(
                 "fxmem plans one graph per step and this model branches on a tensor's value, which "
                 "decides the graph: compute both sides (torch.where) or branch outside the step; "
-                f"{_why_not_captured(e)}"
+                f"{why_not_captured(e)}"
             ) from e
         finally:
-            self.__dict__["_fxmem_calling"] = None
+            self._fxmem_calling.args = None
         # Raised here, without the frames of the capture and the planning it came through:
         # they hold tensors of the step (the random-number state dynamo keeps), which a plan
         # made while the caller holds the error (a retry at its floor) would count as live.
@@ -299,6 +300,11 @@ class FxmemModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> FxmemModule:
         return optimize(copy.deepcopy(self._fxmem_model, memo), **self._copy_kwargs())
 
+    def __reduce__(self) -> tuple:
+        # Pickled (`torch.save(module)`) as the original module and the settings: the compiled
+        # steps are code of this process, and the copy plans again on its first call.
+        return _reoptimized, (self._fxmem_model, self._copy_kwargs())
+
     def _copy_kwargs(self) -> dict[str, Any]:
         o = self._fxmem_options
         return {
@@ -316,6 +322,10 @@ class FxmemModule(nn.Module):
         return f"budget_gb={o.budget_gb}, compiler={o.compiler!r}, module={type(self._fxmem_model).__name__}"
 
 
+def _reoptimized(model: nn.Module, kwargs: dict[str, Any]) -> FxmemModule:
+    return optimize(model, **kwargs)
+
+
 def _backend(options_ref: weakref.ref) -> Any:
     # torch keeps every backend it compiled with until torch._dynamo.reset(): held weakly, the
     # options (and through them the module and the model) go when the user drops them.
@@ -331,16 +341,3 @@ def _backend(options_ref: weakref.ref) -> Any:
 
 def _tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     return [x for x in tp.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-
-
-def _why_not_captured(e: Exception) -> str:
-    """Dynamo's reason for a graph break in a line: its summary, its explanation (torch 2.15's
-    summary can be only "Unsupported function call (delayed)", the reason, an LSTM say, is in
-    the explanation) and the user's line it stopped at."""
-    lines = [line.strip() for line in str(e).splitlines()]
-    parts = lines[:1]
-    parts += [line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")]
-    if "from user code:" in lines:
-        where = lines[lines.index("from user code:") + 1 :]
-        parts += [line for line in where if line.startswith("File ")][-1:]
-    return "; ".join(p.rstrip(".") for p in parts if p)

@@ -14,7 +14,6 @@ import math
 import numbers
 import operator
 import os
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,13 +30,13 @@ from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
 from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
-from fxmem.outputs import warn_if_outputs_held, with_output_hooks
+from fxmem.outputs import watch_outputs, with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn, margin_for
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
 from fxmem.pipeline import MICROBATCH, check_pass_names, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
-from fxmem.step_start import static_bytes, warn_if_gradients_appear
+from fxmem.step_start import count_saved, saved_by_pending_backwards, static_bytes, warn_if_gradients_appear
 from fxmem.workspaces import OUTSIDE_TENSORS
 
 __all__ = ["Options", "fxmem_backend", "recent_plans"]
@@ -53,51 +52,29 @@ PRECISIONS = ("fp32", "bf16")
 
 # Dropout as `rand_like(x) > p` and a multiply: the mask is then a bool value of its own, which
 # is what the backward keeps, and the random draw itself is never run twice.
-_EAGER_DECOMPOSITIONS = get_decompositions([torch.ops.aten.native_dropout])
+# Ops that, run one by one, allocate temporaries inside themselves the plan would not see
+# (`mse_loss` its difference, its backward the difference and its scale): decomposed, those
+# temporaries are nodes of the graph, planned as any other.
+_aten = torch.ops.aten
+_EAGER_DECOMPOSITIONS = get_decompositions(
+    [
+        _aten.native_dropout,
+        _aten.mse_loss,
+        _aten.mse_loss_backward,
+        _aten.smooth_l1_loss,
+        _aten.smooth_l1_loss_backward,
+        _aten.huber_loss,
+        _aten.huber_loss_backward,
+        _aten.binary_cross_entropy,
+        _aten.binary_cross_entropy_backward,
+        _aten.binary_cross_entropy_with_logits,
+        _aten.soft_margin_loss,
+        _aten.soft_margin_loss_backward,
+    ]
+)
 
 _recent: list[Plan] = []
 _RECENT_KEPT = 16
-
-
-class _Ledger:
-    """Activations each compiled region of one compiled model keeps for its backward.
-
-    With graph breaks, a model runs as several compiled regions in call order, and what an
-    earlier region saved is still alive while a later one runs. Each region is planned with
-    the others' saved bytes reserved (a recompile of the same region replaces its entry).
-    """
-
-    def __init__(self, owner: object):
-        # Keeps id(owner) from being reused while the ledger lives: weakly where the owner
-        # allows it (fxmem.optimize's Options, which lead back to the user's model), else
-        # strongly (torch.compile's options dict), with only the last few such ledgers kept.
-        try:
-            self._owner: Callable[[], object] = weakref.ref(owner)
-        except TypeError:
-            self._owner = lambda: owner
-        self.saved_by_region: dict[object, int] = {}
-
-    def owned_by(self, owner: object) -> bool:
-        return self._owner() is owner
-
-    def others(self, region: object) -> int:
-        return sum(b for r, b in self.saved_by_region.items() if r != region)
-
-
-_ledgers: dict[int, _Ledger] = {}
-_LEDGERS_KEPT = 8
-
-
-def _ledger_for(owner: object) -> _Ledger:
-    ledger = _ledgers.pop(id(owner), None)
-    if ledger is None or not ledger.owned_by(owner):
-        ledger = _Ledger(owner)
-    _ledgers[id(owner)] = ledger  # most recent last
-    for key in [k for k, v in _ledgers.items() if v._owner() is None]:
-        del _ledgers[key]
-    for key in list(_ledgers)[:-_LEDGERS_KEPT]:
-        del _ledgers[key]
-    return ledger
 
 
 def _region_id() -> object:
@@ -202,13 +179,18 @@ def _fix_shapes(example_inputs: Sequence[Any]) -> None:
 def _inline_fixed_sizes(gm: fx.GraphModule) -> None:
     """Write the sizes `_fix_shapes` fixed into the graph as ints: a view's shape argument
     `(4, s0, 4, 16)` becomes `(4, 256, 4, 16)`, so the passes rewrite the graph as they would
-    one captured at fixed sizes. The size inputs stay (Dynamo passes them), unread; the
-    arithmetic on them goes."""
-    fixed: dict[fx.Node, int] = {}
+    one captured at fixed sizes; and the module's floats Dynamo reads from tensors, as
+    floats. The size inputs stay (Dynamo passes them), unread; the arithmetic on them goes."""
+    fixed: dict[fx.Node, int | float] = {}
     for node in gm.graph.nodes:
         value = node.meta.get("example_value")
         if isinstance(value, torch.SymInt) and (size := static_int(value)) is not None:
             fixed[node] = size
+        elif isinstance(value, torch.SymFloat) and value.node.hint is not None:
+            # A float the module holds (a dropout's p, a norm's eps), which Dynamo passes in as
+            # a tensor under `dynamic=True`: read as a float it is guarded on its value, as the
+            # sizes are, and the passes see a number (`swap_sdpa` hands `p` to the fused kernel).
+            fixed[node] = float(value)
     if not fixed:
         return
     for node in gm.graph.nodes:
@@ -254,7 +236,7 @@ def fxmem_backend(
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
-    ledger, region = _ledger_for(options if options is not None else fxmem_backend), _region_id()
+    region = _region_id()
     device = _device_of(example_inputs)
     if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in example_inputs):
         raise ValueError(
@@ -271,7 +253,6 @@ def fxmem_backend(
 
     def on_plan(plan: Plan) -> None:
         made.append(plan)
-        ledger.saved_by_region[region] = plan.saved_bytes
         emit_plan(plan, opts.dump, region)
         _recent.append(plan)
         del _recent[:-_RECENT_KEPT]
@@ -279,10 +260,11 @@ def fxmem_backend(
             opts.on_plan(plan)
 
     static = static_bytes(example_inputs, device)
-    if ledger.others(region):
+    earlier = saved_by_pending_backwards()
+    if earlier:
         # Earlier regions' saved tensors are alive now, held by autograd in C++ (then counted
         # outside tensors, on CUDA) or visible to the live-tensor scan: reserve them once.
-        earlier = left = ledger.others(region)
+        left = earlier
         for key in (OUTSIDE_TENSORS, "other live tensors"):
             if key in static:
                 taken = min(left, static[key])
@@ -333,15 +315,17 @@ def fxmem_backend(
         log.info("no backward to plan: the forward runs as compiled")
         return step
     plan = made[-1]  # made while compiling: the plan the step runs
+    step = count_saved(step, plan.saved_bytes)
     if watch_gradients and plan.budget_bytes is not None:
         step = warn_if_gradients_appear(step, example_inputs, plan.budget_bytes)
-    if opts.keep_outputs or plan.budget_bytes is None or not plan.released_outputs:
+    if plan.budget_bytes is None:
         return step
     # Numbers only: the step outlives its module in caches beyond fxmem's reach (Dynamo's,
     # transformers'), and must not keep the module's parameters alive through them.
     margin = margin_for(plan.budget_bytes, margin_fraction=opts.margin)
     room = max(0, plan.budget_bytes - margin - plan.predicted_peak_bytes)
-    return warn_if_outputs_held(step, plan.released_outputs, plan.budget_bytes, room)
+    released = [] if opts.keep_outputs else plan.released_outputs
+    return watch_outputs(step, released, plan.budget_bytes, room)
 
 
 def _compile_sliced_if_needed(

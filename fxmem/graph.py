@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -26,6 +27,24 @@ from fxmem.probe import workspace_bytes
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
 
 PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
+
+
+def _written_storages(nodes: list[fx.Node], storage: list[int], descs: list[Any]) -> set[int]:
+    """The storages of the step's inputs that it updates in place: in the graph (`copy_` into
+    a buffer, as inductor keeps BatchNorm's running stats) or after the forward, from an
+    output AOTAutograd writes back (`InputMutationAOTOutput`)."""
+    mutated = [d.mutated_input for d in descs if type(d).__name__ == "InputMutationAOTOutput"]
+    index = {n: i for i, n in enumerate(nodes)}
+    written = set()
+    for i, n in enumerate(nodes):
+        if n.op == "placeholder" and mutated and n.meta.get("desc") in mutated:
+            written.add(storage[i])
+        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            for a, arg in zip(n.target._schema.arguments, n.args, strict=False):  # defaults left out
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node):
+                    written.add(storage[index[arg]])
+    written.discard(-1)
+    return written
 
 
 def _merge_view_storages(
@@ -184,6 +203,7 @@ class JointGraph:
 
         storage, storage_bytes = _merge_view_storages(nodes, storage, storage_bytes)
 
+        written = _written_storages(nodes, storage, out_node.meta.get("desc") or [])
         banned = []
         for n in nodes:
             ban = _is_random(n) or _is_impure(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
@@ -207,6 +227,12 @@ class JointGraph:
                 for u in op.users:
                     if u in index:
                         banned[index[u]] = True
+        # An input the step updates (in the graph, or written back after the forward) holds
+        # another value in the backward: any op reading it, directly or through a view, would
+        # give another result there if the backward recomputed it.
+        for i in range(len(nodes)):
+            if kind[i] == FWD and any(storage[j] in written for j in inputs[i]):
+                banned[i] = True
 
         cost_s = [cost.node_seconds(n) for n in nodes]
         tangent_users = [u for i in range(len(nodes)) if kind[i] == TANGENT for u in users[i]]

@@ -4,6 +4,9 @@ inside itself, and where in the user's code it came from."""
 
 from __future__ import annotations
 
+import operator
+import re
+
 import torch
 import torch.fx as fx
 
@@ -53,8 +56,11 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return str(path).replace("L['self'].", "").replace("L__self___", "")
+    path = str(list(stack.values())[-1][0]).replace("L__self___", "")
+    # Dynamo names the compiled module by the local it was (`L['self']`, `L['fn']` for a module
+    # compiled whole, whatever `self` is called) and a module a function reads by its global.
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    return re.sub(r"^G\['([^']*)'\]", r"\1", path)
 
 
 def source_line(node: fx.Node) -> str:
@@ -82,8 +88,19 @@ _TRANSIENT = {
 
 
 def transient_bytes(node: fx.Node) -> int:
-    rule = _TRANSIENT.get(str(node.target)) if node.op == "call_function" else None
-    return rule(node) if rule is not None else 0
+    """Bytes an op run by itself allocates and frees within its own call: the temporaries of
+    `_TRANSIENT`'s ops, and the outputs of a multi-output op that nothing reads
+    (`log_sigmoid_forward`'s buffer, where only its first output is used), made and dropped
+    at once."""
+    if node.op != "call_function":
+        return 0
+    rule = _TRANSIENT.get(str(node.target))
+    own = rule(node) if rule is not None else 0
+    val = node.meta.get("val")
+    if not isinstance(val, (tuple, list)):
+        return own
+    read = {u.args[1] for u in node.users if u.target is operator.getitem}
+    return own + sum(tensor_bytes(v) for k, v in enumerate(val) if k not in read and isinstance(v, torch.Tensor))
 
 
 def aliased_input(node: fx.Node) -> fx.Node | None:

@@ -14,7 +14,9 @@ when no gradient comes.
 lets every hook edit the output list, and returns the outputs the graph had before.
 
 A plan made with `keep_outputs=False` counts what the step returns as let go when its backward
-starts; `warn_if_outputs_held` checks that premise on every call (`OutputsHeldWarning`).
+starts; `watch_outputs` checks that premise on every call (`OutputsHeldWarning`), and warns
+when code outside the step computes on an output too large for what the plan left free
+(`LossOutsideWarning`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ import torch.fx as fx
 from fxmem.plan import format_bytes
 
 __all__ = [
+    "LossOutsideWarning",
     "OutputHook",
     "OutputsHeldWarning",
     "output_values",
     "return_outside",
-    "warn_if_outputs_held",
+    "watch_outputs",
     "with_output_hooks",
 ]
 
@@ -90,22 +93,35 @@ class OutputsHeldWarning(UserWarning):
     step can exceed its budget."""
 
 
+class LossOutsideWarning(UserWarning):
+    """A gradient came into one of the step's outputs from code outside the step (a loss
+    computed on the model's output), and that output takes more than the plan left free below
+    its budget: what that code allocates is not in the plan, and the step can exceed the
+    budget."""
+
+
 def _held(ref: weakref.ref) -> bool:
     t = ref()
     return t is not None and t.numel() > 1
 
 
-def warn_if_outputs_held(
+def watch_outputs(
     step: Callable[..., Any], released: Sequence[Sequence[int]], budget_bytes: int, room: int
 ) -> Callable[..., Any]:
-    """`step` (the backend's result, planned with `keep_outputs=False`) checking, as the
-    backward of each call starts, whether the outputs its plan frees at the forward's end
-    (`released`: `Plan.released_outputs`) are still held; when they take more than `room`
-    bytes (what the plan left free below `budget_bytes` besides its margin),
-    `OutputsHeldWarning`. A one-element output is not counted: the loss the backward starts
-    from is alive then. The check runs in a hook on every returned tensor that requires grad,
-    once, in the first to fire (that of this step's part of the backward); it holds none of
-    them."""
+    """`step` (the backend's result, planned with a budget) checking the outputs on every call,
+    in hooks on its returned tensors that require grad; the hooks hold none of them. `room` is
+    what the plan left free below `budget_bytes` besides its margin.
+
+    - `released` (`Plan.released_outputs`, planned with `keep_outputs=False`): the outputs the
+      plan frees at the forward's end. As the backward starts (in the first hook to fire, that
+      of this step's part of the backward), those still held are summed, and when they take
+      more than `room`, `OutputsHeldWarning`. A one-element output is not counted: the loss the
+      backward starts from is alive then.
+    - A gradient into an output of more than one element, larger than `room`, comes from code
+      run on it outside the step (a loss over the logits, computed after the model's forward):
+      the memory that code takes is not in the plan, and one such tensor more than fills what
+      the plan left free. `LossOutsideWarning`.
+    """
 
     # Dynamo calls its backend's result with the graph inputs as arguments.
     @functools.wraps(step)
@@ -116,11 +132,9 @@ def warn_if_outputs_held(
             for pos, sid, nbytes in released
             if pos < len(outputs) and isinstance(outputs[pos], torch.Tensor)
         ]
-        checked = [False]
+        checked = [not watched]
 
-        def hook(_grad: torch.Tensor | None) -> None:
-            if checked[0]:
-                return
+        def check_held() -> None:
             checked[0] = True
             held = sum({sid: nbytes for ref, sid, nbytes in watched if _held(ref)}.values())
             if held > room:
@@ -134,9 +148,31 @@ def warn_if_outputs_held(
                     stacklevel=1,
                 )
 
+        def hook_for(t: torch.Tensor) -> Callable[[torch.Tensor], None]:
+            shape, nbytes = tuple(t.shape), t.numel() * t.element_size()
+            outside = t.numel() > 1 and nbytes > room
+
+            def hook(_grad: torch.Tensor) -> None:
+                if not checked[0]:
+                    check_held()
+                if outside:
+                    warnings.warn(
+                        f"fxmem: a gradient came into an output of this step (shape {list(shape)}, "
+                        f"{format_bytes(nbytes)}) from code run on it outside the step, such as a loss computed "
+                        "after the model's forward. What that code allocates is not in the plan, which kept "
+                        f"{format_bytes(room)} free below its budget of {format_bytes(budget_bytes)} besides its "
+                        "margin, less than this output takes: the step can exceed that budget. Compute the loss "
+                        "inside the model's forward (HF models: pass the labels), or compile a function that "
+                        'calls both the model and the loss with backend="fxmem"',
+                        LossOutsideWarning,
+                        stacklevel=1,
+                    )
+
+            return hook
+
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(hook)
+                t.register_hook(hook_for(t))
         return outputs
 
     run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed

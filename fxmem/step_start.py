@@ -6,6 +6,11 @@ gradients already held, other live tensors, less what fxmem holds only while cap
 (accumulated over steps) are outside the plan: `fxmem.optimize` plans such a step again
 (`gradients_held` picks it), and a step compiled by the torch.compile backend warns
 (`warn_if_gradients_appear`).
+
+What other compiled steps saved for backwards still to come is alive too (a graph break runs a
+model as compiled regions in order, each holding its activations until the backward reaches
+it): each step counts its own while its backward is pending (`count_saved`), and a step
+captured meanwhile reserves their sum (`saved_by_pending_backwards`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -25,8 +31,10 @@ from fxmem.workspaces import OUTSIDE_TENSORS, allocated_outside_tensors, create_
 
 __all__ = [
     "GradientsHeldWarning",
+    "count_saved",
     "gradients_held",
     "held_while_capturing",
+    "saved_by_pending_backwards",
     "holds_gradients",
     "static_bytes",
     "warn_if_gradients_appear",
@@ -125,6 +133,57 @@ def warn_if_gradients_appear(step: Callable[..., Any], example_inputs: Sequence[
                 stacklevel=1,
             )
         return step(*args)
+
+    run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
+    return run
+
+
+_pending_saved = [0]  # bytes the steps whose backward is still to come saved for it
+
+
+def saved_by_pending_backwards() -> int:
+    """Bytes fxmem's compiled steps saved for backwards that have not run yet (nor been let go)."""
+    return _pending_saved[0]
+
+
+def _compiled_nodes(outputs: Sequence[Any]) -> list[Any]:
+    """The autograd nodes of the compiled function that made `outputs` (a returned view's node
+    leads to it)."""
+    found = {}
+    for t in outputs:
+        node = t.grad_fn if isinstance(t, torch.Tensor) else None
+        if node is not None and type(node).__name__ != "CompiledFunctionBackward":
+            node = next((f for f, _ in node.next_functions if type(f).__name__ == "CompiledFunctionBackward"), None)
+        if node is not None:
+            found[id(node)] = node
+    return list(found.values())
+
+
+def count_saved(step: Callable[..., Any], saved_bytes: int) -> Callable[..., Any]:
+    """`step` counting the `saved_bytes` its plan saves among `saved_by_pending_backwards` from
+    each forward until its backward has run, or its autograd graph is let go without one."""
+    if not saved_bytes:
+        return step
+
+    # Dynamo calls its backend's result with the graph inputs as arguments.
+    @functools.wraps(step)
+    def run(*args: Any) -> Any:
+        outputs = step(*args)
+        nodes = _compiled_nodes(outputs)
+        if not nodes:
+            return outputs  # no backward to come (no_grad, nothing requires grad)
+        _pending_saved[0] += saved_bytes
+        released = [False]
+
+        def release(*_: Any) -> None:
+            if not released[0]:
+                released[0] = True
+                _pending_saved[0] -= saved_bytes
+
+        for node in nodes:
+            node.register_hook(release)
+            weakref.finalize(node, release)
+        return outputs
 
     run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
     return run

@@ -7,6 +7,7 @@ that nothing this test process imported can make the lookup succeed.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -205,6 +206,34 @@ def test_blocks_are_sliced_at_a_later_input_shape(dynamic):
     assert plans[-1].batch_slices >= 2 and plans[-1].rewrites["microbatch_blocks"] == 3
 
 
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_module_float_dynamo_passes_as_a_tensor_is_planned_as_a_number(compiler):
+    """Under dynamic=True Dynamo hands a dropout's p to the graph as a tensor: `swap_sdpa` failed
+    on it (`float()` of a Proxy). Fixed to its value, with a guard: a new p plans again."""
+    from fxmem.testing import GPT, GPTConfig, gpt_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+    model = GPT(cfg)
+    batch, plans = gpt_batch(cfg, 4, 64), []
+    options = {"budget_gb": 0.5, "compiler": compiler, "on_plan": plans.append}
+    compiled = torch.compile(model, backend="fxmem", dynamic=True, options=options)
+    compiled(*batch).backward()
+    assert len(plans) == 1 and plans[0].rewrites["swap_sdpa"] == 2
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    zero_grads(model)
+    loss = compiled(*batch)
+    loss.backward()
+    assert len(plans) == 2
+    got = grads_of(model)
+    zero_grads(model)
+    assert torch.allclose(loss, model(*batch), rtol=1e-5)
+    model(*batch).backward()
+    assert max_rel_err(got, grads_of(model)) < 1e-4
+
+
 class _Masked(torch.nn.Module):
     """A loss over the rows a mask keeps: how many is the data's to say."""
 
@@ -265,7 +294,7 @@ def test_unknown_option_refused():
     assert "budget_gib" in msg and "budget_gb" in msg  # names the bad key and the known ones
 
 
-def test_graph_break_regions_share_one_ledger():
+def test_graph_break_regions_reserve_what_earlier_regions_saved_and_nothing_else():
     import fxmem
     from fxmem.backend import recent_plans
 
@@ -302,6 +331,19 @@ def test_graph_break_regions_share_one_ledger():
         assert torch.allclose(p.grad, ref[n], rtol=1e-4, atol=1e-6), n
         p.grad = None
     assert fxmem.measure(lambda: compiled(x).backward()).peak_bytes <= budget
+    # Only what is saved and pending is reserved: not the second region's activations when
+    # the first is planned again (after a reset, at a new shape), nor another model's that
+    # shares the options.
+    options = {"budget_gb": budget / 2**30, "compiler": "eager"}
+    for call in ("reset", "new shape", "other model"):
+        if call == "reset":
+            torch._dynamo.reset()
+        other = copy.deepcopy(model) if call == "other model" else model
+        rows = 1024 if call == "new shape" else 2048
+        torch.compile(other, backend="fxmem", options=options)(x[:rows]).backward()
+        first, second = recent_plans()[-2:]
+        assert "earlier regions' activations" not in first.breakdown, call
+        assert second.breakdown["earlier regions' activations"] == first.saved_bytes > 0, call
 
 
 def test_small_matmuls_run_on_real_tensors_inside_a_backend_and_under_fake_mode():

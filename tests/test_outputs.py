@@ -91,11 +91,15 @@ def _holding_the_output(model, *batch):
     return out
 
 
-def _held_warnings(fn, *args):
+def _warned(category, fn, *args):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = fxmem.measure(fn, *args)
-    return got, [w for w in caught if issubclass(w.category, fxmem.OutputsHeldWarning)]
+    return got, [w for w in caught if issubclass(w.category, category)]
+
+
+def _held_warnings(fn, *args):
+    return _warned(fxmem.OutputsHeldWarning, fn, *args)
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -183,3 +187,38 @@ def test_the_check_keeps_no_module_alive():
     del m, model
     gc.collect()
     assert module() is None and weight() is None
+
+
+def test_a_loss_computed_outside_the_step_on_a_large_output_warns():
+    """`F.cross_entropy(model(x), y)`: the loss's own tensors (the log-softmax of the logits and
+    its gradient) are the caller's code, outside the plan; at a budget that leaves less free than
+    the logits take, the step measured over it with no word said."""
+    model, (idx, targets) = _lm()
+    logits_only = nn.Sequential(model.emb, model.body, model.head)
+
+    def outside(m, idx, targets):
+        F.cross_entropy(m(idx).flatten(0, 1), targets.flatten()).backward()
+
+    floor = fxmem.optimize(logits_only, 1.0, example_inputs=(idx,), compiler="eager").plan.floor_bytes
+    budget = int(floor * 1.005)
+    m = fxmem.optimize(logits_only, budget / 2**30, compiler="eager")
+    outside(m, idx, targets)
+    zero_grads(model)
+    got, warned = _warned(fxmem.LossOutsideWarning, outside, m, idx, targets)
+    assert got.peak_bytes > budget and len(warned) == 1, (got.peak_bytes / MiB, budget / MiB)
+    assert "inside the model's forward" in str(warned[0].message)
+    zero_grads(model)
+    # The loss inside the step, at its own floor: nothing outside, nothing to warn of.
+    inside = fxmem.optimize(model, 1.0, example_inputs=(idx, targets), compiler="eager").plan.floor_bytes
+    m = fxmem.optimize(model, 1.005 * inside / 2**30, compiler="eager")
+    _keeping_the_loss(m, idx, targets)
+    zero_grads(model)
+    got, warned = _warned(fxmem.LossOutsideWarning, _keeping_the_loss, m, idx, targets)
+    assert got.peak_bytes <= 1.005 * inside and not warned
+    # Outside again, with room for it below the budget: no warning.
+    zero_grads(model)
+    m = fxmem.optimize(logits_only, 4 * budget / 2**30, compiler="eager")
+    outside(m, idx, targets)
+    zero_grads(model)
+    got, warned = _warned(fxmem.LossOutsideWarning, outside, m, idx, targets)
+    assert got.peak_bytes <= 4 * budget and not warned
