@@ -26,6 +26,9 @@ __all__ = [
     "op_key",
     "static_int",
     "static_shape",
+    "storage_of",
+    "storages_written",
+    "written_in_place",
     "writes_in_place",
 ]
 
@@ -184,3 +187,37 @@ def writes_in_place(name: str) -> bool:
     if name.startswith("__") and name.endswith("__"):
         return name[2:-2] in _IN_PLACE_OPERATORS or name in ("__setitem__", "__delitem__")
     return name.endswith("_") or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_FUNCTIONS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul, operator.ilshift,
+    operator.irshift, operator.setitem,
+}  # fmt: skip
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The tensor `node` (of a Dynamo graph) writes in place, if it does."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if node.op == "call_method" and name.endswith("_"):
+        return first
+    if node.op != "call_function":
+        return None
+    if node.target in _IN_PLACE_FUNCTIONS or (name.endswith("_") and not name.startswith("_")):
+        return first
+    if node.kwargs.get("inplace") is True:
+        return first
+    out = node.kwargs.get("out")
+    return out if isinstance(out, fx.Node) else None
+
+
+def storage_of(node: Any) -> int | None:
+    """An id of the storage of `node`'s example value (None for a non-tensor)."""
+    val = example_value(node)
+    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
+
+
+def storages_written(graph: fx.Graph) -> set[int | None]:
+    """The storages `graph` writes in place."""
+    return {storage_of(t) for n in graph.nodes if (t := written_in_place(n)) is not None}

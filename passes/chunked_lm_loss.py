@@ -194,7 +194,7 @@ class _LossAndGrads(torch.autograd.Function):
     def backward(ctx, grad_loss):
         saved = ctx.saved_tensors
         dh, dw, denominator = saved[0], saved[1], saved[-1]
-        scale = grad_loss / denominator
+        scale = grad_loss / denominator.clamp_min(1)  # no valid row: gradients 0, as eager's
         db = saved[2] * scale.to(saved[2].dtype) if ctx.has_bias else None
         return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None
 
@@ -237,7 +237,7 @@ class _LossAndLogits(torch.autograd.Function):
         if flat is None:  # formed again as the forward made them: F.linear in the logits' dtype
             w_dt, b_dt = w.to(ctx.dtype), None if b is None else b.to(ctx.dtype)
         g_flat = None if grad_logits is None else grad_logits.reshape(-1, vocab)
-        scale = grad_loss / denominator
+        scale = grad_loss / denominator.clamp_min(1)  # no valid row: gradients 0, as eager's
         dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
         for start in range(0, h2.shape[0], rows):
             end = start + rows

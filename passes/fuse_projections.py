@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxmem.ops import example_value, op_key
+from fxmem.ops import example_value, op_key, storage_of, storages_written
 from fxmem.rules import Refusal, insert_call
 
 __all__ = ["fuse_projections"]
@@ -62,6 +62,11 @@ def guard(x: fx.Node, linears: list[fx.Node], order: dict[fx.Node, int]) -> Refu
         w.requires_grad for w in weights
     ):
         return Refusal("some weights are frozen and some are trained")
+    written = storages_written(x.graph)
+    if any(storage_of(n) in written for n in linears):
+        # Fused, each projection is a view of one output, which autograd does not let be
+        # written in place (`q *= scaling` after `q = self.q(x)`).
+        return Refusal("a projection's output is written in place")
     first = min(order[n] for n in linears)
     late = [a for n in linears for a in n.all_input_nodes if order[a] > first]
     if late:

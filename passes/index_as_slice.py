@@ -30,39 +30,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxmem.ops import example_value, static_int
+from fxmem.ops import example_value, static_int, storage_of, storages_written
 from fxmem.rules import Refusal, propagate_meta
 
 __all__ = ["as_slice", "index_as_slice"]
 
 log = logging.getLogger(__name__)
-
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul, operator.ilshift,
-    operator.irshift, operator.setitem,
-}  # fmt: skip
-
-
-def _written(node: fx.Node) -> fx.Node | None:
-    """The tensor `node` writes in place, if it does."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if node.op == "call_method" and name.endswith("_"):
-        return first
-    if node.op != "call_function":
-        return None
-    if node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("_")):
-        return first
-    if node.kwargs.get("inplace") is True:
-        return first
-    out = node.kwargs.get("out")
-    return out if isinstance(out, fx.Node) else None
-
-
-def _storage(node: Any) -> int | None:
-    val = example_value(node)
-    return val.untyped_storage()._cdata if isinstance(val, torch.Tensor) else None
 
 
 def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None, str]:
@@ -101,9 +74,9 @@ def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None
 
 def _written_and_returned(graph: fx.Graph) -> tuple[set[int | None], set[int | None]]:
     """The storages the graph writes in place, and those it returns."""
-    written = {_storage(t) for n in graph.nodes if (t := _written(n)) is not None}
+    written = storages_written(graph)
     output = next(iter(graph.find_nodes(op="output")))
-    return written, {_storage(n) for n in output.all_input_nodes}
+    return written, {storage_of(n) for n in output.all_input_nodes}
 
 
 def as_slice(
@@ -119,9 +92,9 @@ def as_slice(
     if index is None:
         return Refusal(why)
     written, returned = written_and_returned or _written_and_returned(node.graph)
-    if {_storage(source), _storage(node)} & written:
+    if {storage_of(source), storage_of(node)} & written:
         return Refusal("the source or the indexed value is written in place")
-    if _storage(node) in returned:
+    if storage_of(node) in returned:
         return Refusal("the indexed value is returned")
     return index
 

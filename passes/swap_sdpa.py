@@ -18,7 +18,11 @@ Runs first among the passes: the rules below read the graph as the model author 
 
 Exact: the same scores, mask, softmax and weighted sum, to float rounding. Masks keep their
 meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a finite fill
-(`finfo.min`) an additive one, and additive masks pass through. GQA's `repeat_kv` is undone and
+(`finfo.min`) an additive one, and additive masks pass through. A fill that would not drop the
+score (0, -1e4: masked_fill replaces scores, an additive mask shifts them) is refused. On CPU a
+finite mask that comes with the batch is refused too: where it drops every key of a row (left
+padding under a causal mask) eager's softmax is uniform over the row, and the CPU kernel's
+backward gives other gradients there. GQA's `repeat_kv` is undone and
 `enable_gqa=True` set, so the repeated keys and values are not materialised — unless that would
 leave torch no fused kernel where the repeated ones have one (CUDA in fp32: only flash attention
 takes grouped heads, in half precision), then the repeat stays. With dropout the
@@ -207,6 +211,13 @@ def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
     return base, example_value(kv).shape[1] // h_kv
 
 
+def finite_batch_masks_exact(device: torch.device) -> bool:
+    """Whether SDPA on `device` computes eager's gradients for a finite mask that drops every
+    key of a row (left padding under a causal mask: eager's softmax of that row is uniform).
+    Not on CPU, where the fused kernel's backward gives other gradients for such rows."""
+    return device.type != "cpu"
+
+
 def guard(m: Match, masked: bool = False) -> Refusal | None:
     """`masked`: the rule's boolean mask marks what to drop (masked_fill), not what to keep."""
     q, k, v = m.val("q"), m.val("k"), m.val("v")
@@ -227,6 +238,10 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         fill = _scalar(m.bindings["fill"])
         if fill is None:
             return Refusal("the mask fill value is not a constant number")
+        if fill != float("-inf") and fill > torch.finfo(q.dtype).min / 2:
+            # A fill replaces the score; as an SDPA mask it would be added to it: the same
+            # only where the sum rounds to the fill (finfo.min) or it is -inf.
+            return Refusal(f"the mask fill {fill} replaces scores, which an additive mask cannot")
         m.bindings["fill"] = fill
     mask = m.val("mask") if "mask" in m.bindings else None
     if mask is not None:
@@ -237,6 +252,9 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             return Refusal(f"mask dtype {mask.dtype} does not suit this rule")
         if not wants_bool and mask.dtype != q.dtype:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
+        finite = not wants_bool or m.bindings["fill"] != float("-inf")
+        if finite and not finite_batch_masks_exact(q.device) and constants.fold(m.bindings["mask"]) is None:
+            return Refusal("a finite mask from the batch can drop whole rows, where CPU SDPA's backward is not eager's")
     m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
     if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None

@@ -8,7 +8,9 @@ except constant tensors (LayerNorm's ones and zeros at init), which match withou
 weight.
 
 Tying is opt-in, since it changes training: two tensors that were updated separately
-become one. `fxmem.optimize(model, budget_gb, tie_weights=True)` ties every candidate group;
+become one. `fxmem.optimize(model, budget_gb, tie_weights=True)` ties every candidate group but
+those whose names differ only in block indices (repeated blocks built by copying one are
+equal until trained; a warning names them);
 `tie_weights=[("lm_head.weight", "wte.weight")]` ties the named pairs (the second name then
 refers to the first name's parameter; their shapes and dtypes must agree). Before::
 
@@ -27,6 +29,8 @@ refuses them). A failed `optimize` unties what it tied.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -106,9 +110,25 @@ def guard(model: nn.Module, keep: str, replace: str) -> Refusal | None:
     return None
 
 
+def _repeated_block(group: Sequence[str]) -> bool:
+    """Whether the names differ only in block indices (`layers.0.fc.weight`, `layers.1.fc.weight`):
+    the same weight of repeated blocks, equal because they were built by copying one block
+    (`nn.TransformerEncoder`), not a tied checkpoint loaded untied."""
+    return len({re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", name) for name in group}) == 1
+
+
 def _pairs(model: nn.Module, request: bool | Iterable[Sequence[str]]) -> list[tuple[str, str]]:
     if request is True:
-        return [(group[0], other) for group in detect(model).candidates for other in group[1:]]
+        groups = detect(model).candidates
+        repeated = [g for g in groups if _repeated_block(g)]
+        if repeated:
+            warnings.warn(
+                f"tie_weights=True leaves {len(repeated)} group(s) of equal weights untied whose names differ "
+                f"only in block indices ({', '.join(repeated[0][:2])}, ...): blocks built as copies of one are "
+                "equal until trained, not one weight. Name the pairs to tie them",
+                stacklevel=4,
+            )
+        return [(g[0], other) for g in groups if not _repeated_block(g) for other in g[1:]]
     if request is False or request is None:
         return []
     if isinstance(request, (str, bytes)) or not isinstance(request, Iterable):

@@ -106,6 +106,25 @@ def test_head_forms_chunked_and_exact(kwargs, ignore):
     assert fired == 1
 
 
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_a_batch_with_every_label_ignored_gives_zero_gradients_as_eager(return_logits):
+    """A micro-batch of prompt tokens only (every label -100): eager's mean loss is NaN (0/0)
+    and its gradients 0; the chunked backward scaled its zero gradients by 1/0, all NaN."""
+    torch.manual_seed(0)
+    model = Head(return_logits=return_logits)
+    x, y = _batch()
+    y[:] = -100
+    compiled, seen = compile_with_pass(chunked_lm_loss, model)
+    for run in (model, compiled):
+        out = run(x, y)
+        loss = out[0] if return_logits else out
+        assert torch.isnan(loss)
+        loss.backward()
+    ((_, fired),) = seen
+    assert fired == 1
+    assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters())
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"contiguous": True}, {"bias": True}], ids=["linear", "contiguous", "bias"])
 def test_logits_returned_are_eagers_and_carry_their_gradient(kwargs):
     """Logits only returned leave the step without a gradient and get it outside (the graph

@@ -214,6 +214,27 @@ def test_bias_on_some_only_is_refused():
     assert fired == 0
 
 
+def test_a_projection_written_in_place_is_refused():
+    """fairseq's `q = self.q(x); q *= self.scaling`: fused, q is a view of one output, which
+    autograd does not let be written in place (the first call failed)."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(C, C), nn.Linear(C, C)
+
+        def forward(self, x):
+            q = self.q(x)
+            q *= 0.25
+            return q @ self.k(x).transpose(-1, -2)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    gm, _, fired = _fuse(model, _x())
+    assert fired == 0 and len(calls(gm, F.linear)) == 2
+    _assert_exact(model, _x())
+
+
 def test_input_computed_after_the_first_projection_is_refused():
     # k's weight depends on q: one matmul cannot produce both.
     class Dependent(nn.Module):

@@ -106,3 +106,20 @@ def test_safetensors_round_trip_of_a_tied_model(tmp_path):
     assert fresh.lm_head.weight is fresh.wte.weight
     for (k, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
+
+
+def test_tie_true_leaves_repeated_blocks_built_as_copies_untied():
+    """nn.TransformerEncoder deep-copies one layer: every layer's weights are equal at init, and
+    tie_weights=True made the four layers one (34209 parameters -> 9345)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    count = sum(p.numel() for p in model.parameters())
+    assert tw.detect(model).candidates  # equal, so listed
+    with pytest.warns(UserWarning, match="block indices"):
+        m = fxmem.optimize(model, 1.0, compiler="eager", tie_weights=True)
+    assert sum(p.numel() for p in m.parameters()) == count
+    assert model.layers[0].linear1.weight is not model.layers[3].linear1.weight
+    # named, they are tied
+    fxmem.optimize(model, 1.0, compiler="eager", tie_weights=[("layers.0.linear1.weight", "layers.1.linear1.weight")])
+    assert model.layers[0].linear1.weight is model.layers[1].linear1.weight
