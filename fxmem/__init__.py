@@ -8,7 +8,7 @@
 or, without importing fxmem: torch.compile(model, backend="fxmem", options={"budget_gb": 8}).
 """
 
-from fxmem.api import FxmemModule, optimize
+from fxmem.api import FxmemModule, OptimizerNotPlannedWarning, optimize
 from fxmem.backend import fxmem_backend, recent_plans
 from fxmem.errors import BudgetError, DataDependentShapeError, GraphBreakError, PlanMismatchError
 from fxmem.measure import Measurement, measure
@@ -25,6 +25,7 @@ __all__ = [
     "GraphBreakError",
     "Measurement",
     "LossOutsideWarning",
+    "OptimizerNotPlannedWarning",
     "OutputsHeldWarning",
     "Plan",
     "PlanMismatchError",

@@ -5,18 +5,21 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fxmem import _torch_private as tp
 from fxmem.backend import COMPILERS, Options, fxmem_backend
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb, not_one_graph, why_not_captured
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
+from fxmem.probe import probes_skipped
 from fxmem.step_start import gradients_held, held_while_capturing
 
 __all__ = ["FxmemModule", "optimize"]
@@ -58,7 +61,8 @@ def optimize(
     repeated blocks over slices of the batch (see its docstring; opt-in).
 
     `tie_weights=True` ties parameters with equal shapes and values into one tensor (a tied
-    checkpoint loaded untied); a list of `(keep, replace)` name pairs ties those. Numerics of
+    checkpoint loaded untied), but not the same weight of repeated blocks built as copies of
+    one (names that differ only in block indices; a warning names them); a list of `(keep, replace)` name pairs ties those. Numerics of
     training change, so it is opt-in; `plan.tie_candidates` lists what could be tied and
     `plan.tied_weights` what is one tensor. Build the optimizer after tying.
 
@@ -128,6 +132,9 @@ class FxmemModule(nn.Module):
         # it: accumulating gradients over steps holds them through the next forward and
         # backward, which a plan made without them would not count.
         self.__dict__["_fxmem_compiled"] = {}
+        self.__dict__["_fxmem_unprobed"] = set()  # counts whose plan lacks kernels' workspaces
+        self.__dict__["_fxmem_outside_optimizers"] = set()  # ids of optimizers stepped, not planned for
+        _watched.add(self)
         # The plan each kind of call runs (`_call_kind`), for `plan_for`.
         self.__dict__["_fxmem_plan_by_call"] = {}
         # `_call_kind`'s arguments, for the call running in each thread (`.args`).
@@ -142,7 +149,33 @@ class FxmemModule(nn.Module):
         """What a call's plan depends on: gradients held, inputs' shapes and dtypes, grad mode."""
         return held, tuple((tuple(x.shape), x.dtype) for x in inputs), grad_mode
 
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer stepped: one that trains this module's parameters, but was not the
+        `optimizer=` planned for, holds state the plans do not count. Warned once per
+        optimizer; every step is planned again at its next call, counting that state."""
+        if optimizer is self._fxmem_options.optimizer or id(optimizer) in self._fxmem_outside_optimizers:
+            return
+        mine = {id(p) for p in self._fxmem_model.parameters()}
+        if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            return
+        self._fxmem_outside_optimizers.add(id(optimizer))
+        warnings.warn(
+            f"fxmem: an optimizer ({type(optimizer).__name__}) that trains this module's parameters stepped, but its plans "
+            "were made for "
+            + ("no optimizer" if self._fxmem_options.optimizer is None else "another optimizer")
+            + ": its state and its step are outside them. The next call plans again, counting the state as "
+            "it finds it; pass optimizer= to fxmem.optimize to plan for the step too",
+            OptimizerNotPlannedWarning,
+            stacklevel=4,  # the caller of optimizer.step()
+        )
+        self._fxmem_compiled.clear()
+
     def _compiled_step(self, held: int) -> Any:
+        if held in self._fxmem_unprobed and not torch.autograd._profiler_enabled():
+            # Planned under a profiler (fxmem.measure around the first call), where kernels'
+            # workspaces cannot be measured: compiled and planned again, now that they can.
+            self._fxmem_unprobed.discard(held)
+            self._fxmem_compiled.pop(held, None)
         compiled = self._fxmem_compiled.get(held)
         if compiled is None:
             # A backend of its own: Dynamo would otherwise run the step compiled for another
@@ -225,6 +258,7 @@ class FxmemModule(nn.Module):
         inputs = _tensors(args, kwargs)
         held = self._gradients_held(inputs)
         self._fxmem_calling.args = (held, inputs, torch.is_grad_enabled())  # read when a plan is made
+        skipped = probes_skipped()
         try:
             with tp.logging_calls_skipped():
                 return self._compiled_step(held)(*args, **kwargs)
@@ -258,6 +292,8 @@ class FxmemModule(nn.Module):
             ) from e
         finally:
             self._fxmem_calling.args = None
+            if probes_skipped() != skipped:
+                self._fxmem_unprobed.add(held)
         # Raised here, without the frames of the capture and the planning it came through:
         # they hold tensors of the step (the random-number state dynamo keeps), which a plan
         # made while the caller holds the error (a retry at its floor) would count as live.
@@ -320,6 +356,22 @@ class FxmemModule(nn.Module):
     def extra_repr(self) -> str:
         o = self._fxmem_options
         return f"budget_gb={o.budget_gb}, compiler={o.compiler!r}, module={type(self._fxmem_model).__name__}"
+
+
+class OptimizerNotPlannedWarning(UserWarning):
+    """An optimizer stepped on the parameters of an optimized module whose plans were made
+    without it (`optimizer=` not given, or another one): its state and step are outside them."""
+
+
+_watched: weakref.WeakSet[FxmemModule] = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for module in list(_watched):
+        module._optimizer_stepped(optimizer)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def _reoptimized(model: nn.Module, kwargs: dict[str, Any]) -> FxmemModule:

@@ -211,16 +211,28 @@ class _CpuCall:
 def _profiled_cpu_call(fn: Callable[..., Any], args: tuple, kwargs: dict, stacklevel: int) -> _CpuCall:
     """Run fn under the memory profiler; warn (at `stacklevel`, counted from here) when entry
     tensors were freed unseen."""
+    from fxmem.probe import probes_skipped  # the probe measures with this module's events
+
     if torch.autograd._profiler_enabled():
         raise RuntimeError(
             "fxmem.measure on CPU needs the torch profiler, but one is already "
-            "active; call measure outside any torch.profiler.profile block"
+            "active (a torch.profiler.profile block, or measure itself: calls of measure "
+            "do not nest); call measure outside it"
         )
     entry = _entry_storages()
+    skipped = probes_skipped()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         seconds = time.perf_counter() - start
+    if probes_skipped() != skipped:
+        warnings.warn(
+            "fxmem.measure: the call planned a step under the profiler, where fxmem cannot "
+            "measure library kernels' workspaces (convolutions, attention): that plan counts "
+            "them as 0 and can exceed its budget. fxmem.optimize plans the step again at its "
+            "next call outside measure: take one step (or plan_for) before measuring",
+            stacklevel=stacklevel,
+        )
     sizes = {p: n for p, (n, _) in entry.items()}
     freed: set[int] = set()
     events = _allocation_events(prof.profiler.kineto_results)

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from fxmem import _torch_private as tp
 from fxmem.measure import _allocation_events, _peak_rise
 
-__all__ = ["workspace_bytes"]
+__all__ = ["probes_skipped", "workspace_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,14 @@ _PROBED_UNFUSED = (*_CONVOLUTIONS, "native_batch_norm", "native_layer_norm", "na
 _MAX_PROBE_BYTES = 512 * 2**20
 
 _cache: dict[tuple, int] = {}
+_skipped = [0]  # kernels left unprobed because a profiler was running
+
+
+def probes_skipped() -> int:
+    """How many times a kernel's workspace went unmeasured (counted as 0) because a profiler
+    was running (`fxmem.measure` around the call that planned): a plan made then can fall
+    short by that workspace, and is best made again outside the profiler."""
+    return _skipped[0]
 
 
 def workspace_bytes(node: fx.Node, fusing: bool = False, channels_last: bool = False) -> int:
@@ -67,6 +75,7 @@ def workspace_bytes(node: fx.Node, fusing: bool = False, channels_last: bool = F
     if key not in _cache:
         found = _run(node, layout)
         if found is None:  # not measurable now (a profiler is running): 0, and ask again later
+            _skipped[0] += 1
             return 0
         _cache[key] = found
     return _cache[key]

@@ -18,7 +18,7 @@ from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_gra
 
 import fxmem
 from benchmarks.cnn_floor import MODELS as CNNS
-from fxmem import partition
+from fxmem import partition, probe
 from fxmem._torch_private import own_recompiles
 from fxmem.cost import DeviceRates
 from fxmem.measure import live_tensor_bytes
@@ -815,3 +815,47 @@ def test_plans_name_modules_by_their_paths_in_the_model():
         m = fxmem.optimize(model, 1.0, compiler="eager")
         m(x).sum().backward()
         assert {row[5] for row in m.plan.graph["nodes"]} - {""} == paths
+
+
+def test_a_step_planned_inside_measure_is_planned_again_outside_it(monkeypatch):
+    """Under fxmem.measure's profiler the kernels' workspaces cannot be probed: the first plan
+    counted the convolutions' as 0, and every later step ran it (a ConvNet at its floor: 97.1 MiB
+    against a 93.9 MiB budget). measure says so, and the next call outside it plans again."""
+    torch.manual_seed(0)
+    model, x, y = ConvNet(channels=8, blocks=2), torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    floor = fxmem.optimize(copy.deepcopy(model), 1.0, example_inputs=(x, y), compiler="eager").plan.floor_bytes
+    monkeypatch.setattr(probe, "_cache", {})  # as in a process that has probed nothing yet
+    m = fxmem.optimize(model, floor / 2**30, compiler="eager")
+    with pytest.warns(UserWarning, match="workspaces"):
+        fxmem.measure(step, m, x, y)
+    assert len(m.plans) == 1
+    zero_grads(model)
+    step(m, x, y)  # outside measure: planned again, with the workspaces
+    assert len(m.plans) == 2 and m.plans[1].predicted_peak_bytes > m.plans[0].predicted_peak_bytes
+    zero_grads(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        got = fxmem.measure(step, m, x, y)
+    assert got.peak_bytes <= floor and len(m.plans) == 2
+
+
+def test_an_optimizer_the_plans_were_not_made_for_warns_once_and_is_counted_next():
+    """Planned without optimizer=, stepped with AdamW: its state (two copies of the parameters)
+    was outside the plan, the step 25% over a floor budget with no word said."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1)), torch.randn(64, 256)
+    m = fxmem.optimize(model, 1.0, compiler="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m(x).sum().backward()
+    with pytest.warns(fxmem.OptimizerNotPlannedWarning, match="optimizer="):
+        opt.step()
+    opt.zero_grad()
+    m(x).sum().backward()  # planned again, the state alive
+    assert len(m.plans) == 2
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim())
+    assert m.plans[1].breakdown["other live tensors"] >= m.plans[0].breakdown["other live tensors"] + state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.OptimizerNotPlannedWarning)
+        opt.step()  # warned once
+        other = torch.optim.SGD(nn.Linear(2, 2).parameters())  # trains other parameters: nothing to say
+        other.step()
