@@ -133,7 +133,10 @@ class FxmemModule(nn.Module):
         # backward, which a plan made without them would not count.
         self.__dict__["_fxmem_compiled"] = {}
         self.__dict__["_fxmem_unprobed"] = set()  # counts whose plan lacks kernels' workspaces
-        self.__dict__["_fxmem_outside_optimizers"] = set()  # ids of optimizers stepped, not planned for
+        # Optimizers seen stepping: those not planned for (warned of), and those training
+        # other parameters (nothing to say).
+        self.__dict__["_fxmem_outside_optimizers"] = weakref.WeakSet()
+        self.__dict__["_fxmem_other_optimizers"] = weakref.WeakSet()
         _watched.add(self)
         # The plan each kind of call runs (`_call_kind`), for `plan_for`.
         self.__dict__["_fxmem_plan_by_call"] = {}
@@ -153,12 +156,17 @@ class FxmemModule(nn.Module):
         """An optimizer stepped: one that trains this module's parameters, but was not the
         `optimizer=` planned for, holds state the plans do not count. Warned once per
         optimizer; every step is planned again at its next call, counting that state."""
-        if optimizer is self._fxmem_options.optimizer or id(optimizer) in self._fxmem_outside_optimizers:
+        planned = self._fxmem_options.optimizer
+        if optimizer in self._fxmem_outside_optimizers or optimizer in self._fxmem_other_optimizers:
+            return
+        # A wrapper's inner optimizer (Accelerate's, ZeroRedundancyOptimizer's) shares its state.
+        if planned is not None and (optimizer is planned or optimizer.state is planned.state):
             return
         mine = {id(p) for p in self._fxmem_model.parameters()}
         if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            self._fxmem_other_optimizers.add(optimizer)
             return
-        self._fxmem_outside_optimizers.add(id(optimizer))
+        self._fxmem_outside_optimizers.add(optimizer)
         warnings.warn(
             f"fxmem: an optimizer ({type(optimizer).__name__}) that trains this module's parameters stepped, but its plans "
             "were made for "

@@ -40,9 +40,13 @@ def _written_storages(nodes: list[fx.Node], storage: list[int], descs: list[Any]
         if n.op == "placeholder" and mutated and n.meta.get("desc") in mutated:
             written.add(storage[i])
         elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            for a, arg in zip(n.target._schema.arguments, n.args, strict=False):  # defaults left out
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, fx.Node):
-                    written.add(storage[index[arg]])
+            for k, a in enumerate(n.target._schema.arguments):
+                if a.alias_info is None or not a.alias_info.is_write:
+                    continue
+                arg = n.args[k] if k < len(n.args) else n.kwargs.get(a.name)
+                for x in arg if isinstance(arg, (list, tuple)) else [arg]:
+                    if isinstance(x, fx.Node):
+                        written.add(storage[index[x]])
     written.discard(-1)
     return written
 

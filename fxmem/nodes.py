@@ -97,7 +97,9 @@ def transient_bytes(node: fx.Node) -> int:
     rule = _TRANSIENT.get(str(node.target))
     own = rule(node) if rule is not None else 0
     val = node.meta.get("val")
-    if not isinstance(val, (tuple, list)):
+    schema = getattr(node.target, "_schema", None)
+    views = schema is not None and any(r.alias_info is not None for r in schema.returns)
+    if not isinstance(val, (tuple, list)) or views:  # `split`'s unused chunks are views: nothing made
         return own
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     return own + sum(tensor_bytes(v) for k, v in enumerate(val) if k not in read and isinstance(v, torch.Tensor))

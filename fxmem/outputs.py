@@ -117,7 +117,7 @@ def watch_outputs(
       of this step's part of the backward), those still held are summed, and when they take
       more than `room`, `OutputsHeldWarning`. A one-element output is not counted: the loss the
       backward starts from is alive then.
-    - A gradient into an output of more than one element, larger than `room`, comes from code
+    - A gradient of more than `room` bytes into an output of more than one element comes from code
       run on it outside the step (a loss over the logits, computed after the model's forward):
       the memory that code takes is not in the plan, and one such tensor more than fills what
       the plan left free. `LossOutsideWarning`.
@@ -152,10 +152,12 @@ def watch_outputs(
             shape, nbytes = tuple(t.shape), t.numel() * t.element_size()
             outside = t.numel() > 1 and nbytes > room
 
-            def hook(_grad: torch.Tensor) -> None:
+            def hook(grad: torch.Tensor | None) -> None:
                 if not checked[0]:
                     check_held()
-                if outside:
+                # An output no gradient reached gets a hook call too, with None; a gradient
+                # expanded from a scalar (`out.sum()`) took no memory of the output's size.
+                if outside and grad is not None and grad.untyped_storage().nbytes() > room:
                     warnings.warn(
                         f"fxmem: a gradient came into an output of this step (shape {list(shape)}, "
                         f"{format_bytes(nbytes)}) from code run on it outside the step, such as a loss computed "
@@ -171,7 +173,8 @@ def watch_outputs(
             return hook
 
         for t in outputs:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            # Not on a leaf returned as it is (a parameter): its hooks would pile up, call by call.
+            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                 t.register_hook(hook_for(t))
         return outputs
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -139,6 +140,7 @@ def warn_if_gradients_appear(step: Callable[..., Any], example_inputs: Sequence[
 
 
 _pending_saved = [0]  # bytes the steps whose backward is still to come saved for it
+_pending_lock = threading.Lock()  # released from autograd's threads too
 
 
 def saved_by_pending_backwards() -> int:
@@ -172,13 +174,15 @@ def count_saved(step: Callable[..., Any], saved_bytes: int) -> Callable[..., Any
         nodes = _compiled_nodes(outputs)
         if not nodes:
             return outputs  # no backward to come (no_grad, nothing requires grad)
-        _pending_saved[0] += saved_bytes
+        with _pending_lock:
+            _pending_saved[0] += saved_bytes
         released = [False]
 
         def release(*_: Any) -> None:
-            if not released[0]:
-                released[0] = True
-                _pending_saved[0] -= saved_bytes
+            with _pending_lock:
+                if not released[0]:
+                    released[0] = True
+                    _pending_saved[0] -= saved_bytes
 
         for node in nodes:
             node.register_hook(release)

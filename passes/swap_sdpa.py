@@ -254,7 +254,10 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
         finite = not wants_bool or m.bindings["fill"] != float("-inf")
         if finite and not finite_batch_masks_exact(q.device) and constants.fold(m.bindings["mask"]) is None:
-            return Refusal("a finite mask from the batch can drop whole rows, where CPU SDPA's backward is not eager's")
+            return Refusal(
+                "a finite mask not known to be made from module buffers (one from the batch) can drop "
+                "whole rows, where CPU SDPA's backward is not eager's"
+            )
     m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
     if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None

@@ -847,8 +847,9 @@ def test_an_optimizer_the_plans_were_not_made_for_warns_once_and_is_counted_next
     m = fxmem.optimize(model, 1.0, compiler="eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     m(x).sum().backward()
-    with pytest.warns(fxmem.OptimizerNotPlannedWarning, match="optimizer="):
+    with pytest.warns(fxmem.OptimizerNotPlannedWarning, match="optimizer=") as warned:
         opt.step()
+    assert warned[0].filename == __file__  # the caller's line, not torch's
     opt.zero_grad()
     m(x).sum().backward()  # planned again, the state alive
     assert len(m.plans) == 2
@@ -859,3 +860,7 @@ def test_an_optimizer_the_plans_were_not_made_for_warns_once_and_is_counted_next
         opt.step()  # warned once
         other = torch.optim.SGD(nn.Linear(2, 2).parameters())  # trains other parameters: nothing to say
         other.step()
+        own = nn.Linear(256, 1)
+        planned_for = torch.optim.SGD(own.parameters(), lr=0.1)
+        fxmem.optimize(own, 1.0, compiler="eager", optimizer=planned_for)(x).sum().backward()
+        planned_for.step()  # the optimizer its plans count: nothing to say

@@ -215,6 +215,24 @@ def test_a_loss_computed_outside_the_step_on_a_large_output_warns():
     zero_grads(model)
     got, warned = _warned(fxmem.LossOutsideWarning, _keeping_the_loss, m, idx, targets)
     assert got.peak_bytes <= 1.005 * inside and not warned
+
+    # A large output returned beside a loss computed inside, which no gradient reaches (its
+    # hook is called with None), and a large output summed (its gradient an expanded scalar):
+    # nothing allocated outside, nothing to warn of.
+    class LossAndHidden(nn.Module):
+        def forward(self, idx, targets):
+            hidden = torch.tanh(model.body(model.emb(idx)))
+            return F.cross_entropy(model.head(hidden).flatten(0, 1), targets.flatten()), hidden * 2
+
+    zero_grads(model)
+    own = fxmem.optimize(LossAndHidden(), 1.0, example_inputs=(idx, targets), compiler="eager").plan.floor_bytes
+    m = fxmem.optimize(LossAndHidden(), 1.005 * own / 2**30, compiler="eager")
+    for call in (lambda: m(idx, targets)[0].backward(), lambda: m(idx, targets)[1].sum().backward()):
+        call()
+        zero_grads(model)
+        _, warned = _warned(fxmem.LossOutsideWarning, call)
+        assert not warned
+        zero_grads(model)
     # Outside again, with room for it below the budget: no warning.
     zero_grads(model)
     m = fxmem.optimize(logits_only, 4 * budget / 2**30, compiler="eager")
