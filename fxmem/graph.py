@@ -13,81 +13,19 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import buffers, kernels
 from fxmem.cost import CostModel
-from fxmem.nodes import _is_impure, _is_random, aliased_input, transient_bytes
+from fxmem.nodes import _is_impure, _is_random, transient_bytes
 from fxmem.probe import workspace_bytes
+from fxmem.storages import node_storages, written_storages
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
 
 PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
-
-
-def _written_storages(nodes: list[fx.Node], storage: list[int], descs: list[Any]) -> set[int]:
-    """The storages of the step's inputs that it updates in place: in the graph (`copy_` into
-    a buffer, as inductor keeps BatchNorm's running stats) or after the forward, from an
-    output AOTAutograd writes back (`InputMutationAOTOutput`)."""
-    mutated = [d.mutated_input for d in descs if type(d).__name__ == "InputMutationAOTOutput"]
-    index = {n: i for i, n in enumerate(nodes)}
-    written = set()
-    for i, n in enumerate(nodes):
-        if n.op == "placeholder" and mutated and n.meta.get("desc") in mutated:
-            written.add(storage[i])
-        elif n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            for k, a in enumerate(n.target._schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
-                arg = n.args[k] if k < len(n.args) else n.kwargs.get(a.name)
-                for x in arg if isinstance(arg, (list, tuple)) else [arg]:
-                    if isinstance(x, fx.Node):
-                        written.add(storage[index[x]])
-    written.discard(-1)
-    return written
-
-
-def _merge_view_storages(
-    nodes: list[fx.Node], storage: list[int], storage_bytes: list[int]
-) -> tuple[list[int], list[int]]:
-    """Give every view the storage of its base, whatever its fake value says.
-
-    Graph passes that rebuild a node (inductor's joint-graph passes, for one) can leave a view
-    with a fake value of its own storage: `expand(div)` then looks like a second copy of `div`,
-    and a plan saving both would be charged twice for memory that exists once.
-    """
-    parent = list(range(len(storage_bytes)))
-
-    def root(s: int) -> int:
-        while parent[s] != s:
-            parent[s] = parent[parent[s]]
-            s = parent[s]
-        return s
-
-    index = {n: i for i, n in enumerate(nodes)}
-    for i, n in enumerate(nodes):
-        base = aliased_input(n) if n.op == "call_function" else None
-        j = index.get(base) if base is not None else None
-        if j is None or storage[i] < 0 or storage[j] < 0:
-            continue
-        a, b = root(storage[j]), root(storage[i])
-        if a != b:
-            parent[max(a, b)] = min(a, b)  # the earlier storage (the base) names the group
-    if all(parent[s] == s for s in range(len(parent))):
-        return storage, storage_bytes
-    new_id: dict[int, int] = {}
-    merged_bytes: list[int] = []
-    for s in range(len(storage_bytes)):
-        r = root(s)
-        if r not in new_id:
-            new_id[r] = len(merged_bytes)
-            merged_bytes.append(0)
-        merged_bytes[new_id[r]] = max(merged_bytes[new_id[r]], storage_bytes[s])
-    return [new_id[root(s)] if s >= 0 else -1 for s in storage], merged_bytes
 
 
 @dataclass
@@ -182,32 +120,11 @@ class JointGraph:
             if fwd[i]:
                 kind[i] = FWD
 
-        storage: list[int] = []
-        storage_bytes: list[int] = []
-        by_key: dict[int, int] = {}
-        is_sym: list[bool] = []
-        for n in nodes:
-            val = n.meta.get("val")
-            is_sym.append(tp.is_sym_node(n))
-            if isinstance(val, torch.Tensor):
-                try:
-                    st = val.untyped_storage()
-                    key, nbytes = st._cdata, int(st.nbytes())
-                    while storage_remap and key in storage_remap:
-                        key = storage_remap[key]
-                except Exception:  # tensor subclasses without a plain storage
-                    key, nbytes = id(val), val.numel() * val.element_size()
-                sid = by_key.get(key)
-                if sid is None:
-                    sid = by_key[key] = len(storage_bytes)
-                    storage_bytes.append(nbytes)
-                storage.append(sid)
-            else:
-                storage.append(-1)
+        is_sym = [tp.is_sym_node(n) for n in nodes]
+        storage, storage_bytes = node_storages(nodes, storage_remap)
 
-        storage, storage_bytes = _merge_view_storages(nodes, storage, storage_bytes)
-
-        written = _written_storages(nodes, storage, out_node.meta.get("desc") or [])
+        descs = out_node.meta.get("desc") or []
+        written = written_storages(nodes, storage, descs)
         banned = []
         for n in nodes:
             ban = _is_random(n) or _is_impure(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
@@ -218,7 +135,6 @@ class JointGraph:
         # Ops whose outputs become in-place updates of the caller's tensors (BatchNorm running
         # stats, say) have a side effect: they run once. Their buffers also change after the
         # forward, so a recomputation reading them would see the new values.
-        descs = out_node.meta.get("desc") or []
         released = {}
         for out, desc in zip(flat_outs[:num_fwd_outputs], list(descs)[:num_fwd_outputs], strict=True):
             if not keep_outputs and type(desc).__name__ == "PlainAOTOutput" and isinstance(out, fx.Node):
