@@ -133,10 +133,8 @@ class FxmemModule(nn.Module):
         # backward, which a plan made without them would not count.
         self.__dict__["_fxmem_compiled"] = {}
         self.__dict__["_fxmem_unprobed"] = set()  # counts whose plan lacks kernels' workspaces
-        # Optimizers seen stepping: those not planned for (warned of), and those training
-        # other parameters (nothing to say).
-        self.__dict__["_fxmem_outside_optimizers"] = weakref.WeakSet()
-        self.__dict__["_fxmem_other_optimizers"] = weakref.WeakSet()
+        # Optimizers seen stepping and judged (warned of, or training other parameters).
+        self.__dict__["_fxmem_seen_optimizers"] = weakref.WeakSet()
         _watched.add(self)
         # The plan each kind of call runs (`_call_kind`), for `plan_for`.
         self.__dict__["_fxmem_plan_by_call"] = {}
@@ -157,20 +155,17 @@ class FxmemModule(nn.Module):
         `optimizer=` planned for, holds state the plans do not count. Warned once per
         optimizer; every step is planned again at its next call, counting that state."""
         planned = self._fxmem_options.optimizer
-        if optimizer in self._fxmem_outside_optimizers or optimizer in self._fxmem_other_optimizers:
-            return
         # A wrapper's inner optimizer (Accelerate's, ZeroRedundancyOptimizer's) shares its state.
-        if planned is not None and (optimizer is planned or optimizer.state is planned.state):
+        if optimizer in self._fxmem_seen_optimizers or (planned is not None and optimizer.state is planned.state):
             return
+        self._fxmem_seen_optimizers.add(optimizer)
         mine = {id(p) for p in self._fxmem_model.parameters()}
         if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
-            self._fxmem_other_optimizers.add(optimizer)
             return
-        self._fxmem_outside_optimizers.add(optimizer)
         warnings.warn(
             f"fxmem: an optimizer ({type(optimizer).__name__}) that trains this module's parameters stepped, but its plans "
             "were made for "
-            + ("no optimizer" if self._fxmem_options.optimizer is None else "another optimizer")
+            + ("no optimizer" if planned is None else "another optimizer")
             + ": its state and its step are outside them. The next call plans again, counting the state as "
             "it finds it; pass optimizer= to fxmem.optimize to plan for the step too",
             OptimizerNotPlannedWarning,

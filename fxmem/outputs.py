@@ -148,9 +148,8 @@ def watch_outputs(
                     stacklevel=1,
                 )
 
-        def hook_for(t: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook_for(t: torch.Tensor, outside: bool) -> Callable[[torch.Tensor], None]:
             shape, nbytes = tuple(t.shape), t.numel() * t.element_size()
-            outside = t.numel() > 1 and nbytes > room
 
             def hook(grad: torch.Tensor | None) -> None:
                 if not checked[0]:
@@ -173,9 +172,13 @@ def watch_outputs(
             return hook
 
         for t in outputs:
-            # Not on a leaf returned as it is (a parameter): its hooks would pile up, call by call.
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-                t.register_hook(hook_for(t))
+            # Not on a leaf returned as it is (a parameter): its hooks would pile up, call by
+            # call. Every call runs this: a hook only where one can have something to say.
+            if not (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None):
+                continue
+            outside = t.numel() > 1 and t.numel() * t.element_size() > room
+            if watched or outside:
+                t.register_hook(hook_for(t, outside))
         return outputs
 
     run.__dict__.pop("_boxed_call", None)  # copied by wraps; this wrapper takes arguments unboxed
