@@ -26,13 +26,13 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from fxmem import _torch_private as tp
 from fxmem.batch_dims import batch_size
 from fxmem.constants import checked
-from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb
+from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb, with_hint
 from fxmem.nodes import source_line
 from fxmem.ops import static_int
 from fxmem.optimizer import optimizer_bytes
 from fxmem.outputs import watch_outputs, with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn, margin_for
-from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks
+from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks, why_none_sliced
 from fxmem.pipeline import MICROBATCH, check_pass_names, default_passes, run_passes
 from fxmem.plan import Plan, format_bytes
 from fxmem.plan_log import emit_plan
@@ -345,6 +345,7 @@ def _compile_sliced_if_needed(
     while slices is not None and slices <= most:
         sliced, blocks = microbatch_blocks(gm, slices)
         if not blocks:
+            lowest = with_hint(lowest, why_none_sliced(gm))
             break
         log.info(
             "budget below the floor of %s; planning again with %d blocks over %d batch slices",

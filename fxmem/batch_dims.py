@@ -5,8 +5,11 @@ inputs that are not parameters or buffers, whose first dimension is the batch): 
 dimension that runs over the samples; None means the value is the same for every sample (a
 weight, a constant); UNKNOWN means an op the analysis does not follow, or one that mixes the
 samples (a reduction over the batch, BatchNorm) or draws random numbers. A tuple output (unbind,
-split) has a tuple of labels. Views, expands and reshapes whose shape argument holds the batch's
-size are recorded in `size_args`, so a rewrite can give them a slice's size instead.
+split) has a tuple of labels. A labelled dimension holds each sample's values together: its
+size is the batch's, or a multiple of it where a view merged the samples with the dimensions
+after them (GPT-2's `x.view(-1, C)`: a sample's rows in a row). Views, expands and reshapes
+whose shape argument gives that size are recorded in `size_args`, so a rewrite can give them
+a slice's size instead.
 
 Used by `microbatch_blocks`, which runs blocks whose every value is labelled over slices of
 the batch.
@@ -42,13 +45,13 @@ Label = Any
 _POINTWISE = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.tanh,
-    torch.sigmoid, torch.rsqrt, torch.sqrt, torch.erf, torch.where, torch.masked_fill,
+    torch.sigmoid, torch.rsqrt, torch.sqrt, torch.erf, torch.where, torch.masked_fill, torch.cos, torch.sin,
     F.gelu, F.relu, F.silu, F.tanh, F.sigmoid, torch.relu, torch.square, torch.abs,
     operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.invert,
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_not,
     "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "square", "abs",
-    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "erf",
-    "relu", "masked_fill", "float", "half", "bfloat16", "to", "type_as", "contiguous", "clone",
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "cos", "sin",
+    "relu", "masked_fill", "float", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone",
 }  # fmt: skip
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax, "mean", "sum", "amax"}
 _SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
@@ -62,7 +65,7 @@ _CONVS = {F.conv1d, F.conv2d, F.conv3d}
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.eye, torch.tensor}
 _KNOWN = (
     _POINTWISE | _CONVS | {F.embedding} | _REDUCTIONS | _SOFTMAX | _VIEWS | _PERMUTES | _TRANSPOSES | _MATMULS | _SPLITS
-    | {F.linear, F.layer_norm, torch.layer_norm, F.scaled_dot_product_attention, "unsqueeze", torch.unsqueeze,
+    | {F.linear, torch.addmm, F.layer_norm, torch.layer_norm, F.scaled_dot_product_attention, "unsqueeze", torch.unsqueeze,
        "flatten", torch.flatten, torch.cat, torch.stack, "expand"}
 )  # fmt: skip
 
@@ -150,6 +153,8 @@ class BatchDims:
             return self._sdpa(node, out)
         if t in _VIEWS:
             return self._view(node, out)
+        if t is torch.addmm:
+            return self._addmm(node)
         if t in _PERMUTES:
             dims = _int_args(args[1:], kw.get("dims"))
             x = self.get(args[0])
@@ -227,12 +232,16 @@ class BatchDims:
         return dim
 
     def _view(self, node: fx.Node, out: tuple[int, ...]) -> Label:
+        """A view keeps each sample's values together when the dimensions before the batch's
+        stay as they are and one output dimension holds whole samples: merged with the
+        dimensions after it (`(B, S, C)` as `(B * S, C)`: a sample's S rows in a row) or split
+        from them again."""
         x, shape = self.get(node.args[0]), _shape(node.args[0])
         if not isinstance(x, int):
             return UNKNOWN
         before = math.prod(shape[:x])
         for k in range(len(out)):
-            if math.prod(out[:k]) == before and out[k] == shape[x]:
+            if math.prod(out[:k]) == before and out[k] and out[k] % self.batch == 0:
                 self._note_size_arg(node, k)
                 return k
         return UNKNOWN
@@ -241,9 +250,16 @@ class BatchDims:
         x, shape = self.get(node.args[0]), _shape(node.args[0])
         start = node.kwargs.get("start_dim", node.args[1] if len(node.args) > 1 else 0) % len(shape)
         end = node.kwargs.get("end_dim", node.args[2] if len(node.args) > 2 else -1) % len(shape)
-        if not isinstance(x, int) or (start <= x <= end and start != end):
-            return UNKNOWN
-        return x if x < start else x - (end - start)
+        if not isinstance(x, int) or start < x <= end:
+            return UNKNOWN  # samples interleaved with the dimensions before theirs
+        return x if x <= start else x - (end - start)
+
+    def _addmm(self, node: fx.Node) -> Label:
+        """`addmm(bias, x, w)`: row by row, as a linear layer is."""
+        bias, x, w = node.args[:3]
+        bias_shape = _shape(bias) or ()
+        fixed = all(self.get(a) is None for a in (bias, w, *node.kwargs.values()))
+        return 0 if self.get(x) == 0 and fixed and (len(bias_shape) < 2 or bias_shape[0] == 1) else UNKNOWN
 
     def _split(self, node: fx.Node) -> Label:
         x, shape = self.get(node.args[0]), _shape(node.args[0])
@@ -257,8 +273,10 @@ class BatchDims:
         return tuple(inner for _ in value)
 
     def _cat(self, node: fx.Node, out: tuple[int, ...]) -> Label:
-        parts = node.args[0]
         dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0) % len(out)
+        # An empty 1-D tensor is skipped by cat whatever its dimension (a key/value cache's first
+        # contents): it says nothing of the batch.
+        parts = [p for p in node.args[0] if not (node.target is torch.cat and _shape(p) == (0,))]
         labels = {self.of.get(p, UNKNOWN) for p in parts}
         if len(labels) != 1 or not isinstance(x := labels.pop(), int):
             return UNKNOWN
@@ -282,14 +300,15 @@ class BatchDims:
         return k
 
     def _note_size_arg(self, node: fx.Node, k: int) -> None:
-        """Remember where the shape argument of a view or expand gives the batch's size."""
+        """Remember where the shape argument of a view or expand gives the size of the batch's
+        dimension (a multiple of the batch's size: samples merged with dimensions after them)."""
         if "shape" in node.kwargs or "size" in node.kwargs:
             raise ValueError("shape given by keyword")
         one_list = len(node.args) == 2 and isinstance(node.args[1], (list, tuple))
         size = node.args[1][k] if one_list else node.args[1 + k]
         if size == -1:
             return
-        if size != self.batch:
+        if not isinstance(size, int) or size % self.batch:
             raise ValueError("the batch's size is not a constant here")
         self.size_args.setdefault(node, []).append((1, k) if one_list else 1 + k)
 

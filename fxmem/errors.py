@@ -27,6 +27,7 @@ class BudgetError(ValueError):
         self.floor_bytes = floor_bytes
         self.breakdown = breakdown
         self.plan = plan
+        self.hint = hint
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in breakdown.items())
         # The floor is a budget: the lowest predicted peak and the head-room every budget keeps.
         peak = f": its lowest predicted peak, {format_bytes(plan.predicted_peak_bytes)}, and head-room" if plan else ""
@@ -35,6 +36,11 @@ class BudgetError(ValueError):
             f"{format_bytes(floor_bytes)} (budget_gb >= {gib_at_least(floor_bytes)}){peak}; "
             f"at that peak: {parts}" + (f"; {hint}" if hint else "")
         )
+
+
+def with_hint(e: BudgetError, hint: str) -> BudgetError:
+    """`e` with one more hint after its own."""
+    return BudgetError(e.budget_bytes, e.floor_bytes, e.breakdown, e.plan, "; ".join(h for h in (e.hint, hint) if h))
 
 
 def gib_at_least(nbytes: int) -> str:

@@ -56,10 +56,16 @@ def module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
-    path = str(list(stack.values())[-1][0]).replace("L__self___", "")
+    return path_in_model(str(list(stack.values())[-1][0]))
+
+
+def path_in_model(path: str) -> str:
+    """A module's path as Dynamo names it (`L['self'].blocks.0`) as a path in the model (`blocks.0`)."""
+    path = path.replace("L__self___", "")
     # Dynamo names the compiled module by the local it was (`L['self']`, `L['fn']` for a module
-    # compiled whole, whatever `self` is called) and a module a function reads by its global.
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    # compiled whole, whatever `self` is called; `L['args'][0]` under a decorator's wrapper) and
+    # a module a function reads by its global.
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path)
     return re.sub(r"^G\['([^']*)'\]", r"\1", path)
 
 

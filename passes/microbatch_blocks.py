@@ -29,11 +29,14 @@ search makes every refused budget slower, inductor compiles a graph of 8 slices 
 with `compiler="eager"` predictions match (28.84 / 28.83 MiB) and the floor is lower.
 
 A block is sliced when every op in it treats each sample on its own, followed through views
-and permutes: pointwise ops, linear and matmul, LayerNorm and RMSNorm-style reductions over
-features, softmax, SDPA without dropout, views that keep the batch dimension whole. Anything
-else leaves the block as it is: BatchNorm or another reduction over the batch, random ops (each
-slice would draw differently from the unsliced step), in-place ops, tensors made from sizes,
-ops not listed here.
+and permutes: pointwise ops, linear, addmm and matmul, LayerNorm and RMSNorm-style reductions
+over features, softmax, SDPA without dropout, views that keep each sample's values together
+(the batch whole, or merged with the dimensions after it: GPT-2's `x.view(-1, C)`), tables the
+same for every sample (Llama's rotary `cos`/`sin`, one for the batch). HF's GPT-2 and
+Llama-style decoder layers are sliced. Anything else leaves the block as it is: BatchNorm or
+another reduction over the batch, random ops (each slice would draw differently from the
+unsliced step), in-place ops, views that interleave the samples, ops not listed here. A budget
+refused with no block sliced says which op kept the first block whole.
 
 Exact: each sample meets the same ops with the same weights; a weight's gradient is summed
 over the slices, as gradient accumulation sums it (equal to float rounding).
@@ -48,9 +51,11 @@ import torch
 import torch.fx as fx
 
 from fxmem.batch_dims import UNKNOWN, BatchDims, batch_size
+from fxmem.nodes import path_in_model
+from fxmem.ops import example_value, writes_in_place
 from fxmem.rules import Refusal
 
-__all__ = ["microbatch_blocks", "slice_candidates"]
+__all__ = ["microbatch_blocks", "slice_candidates", "why_none_sliced"]
 
 MAX_SLICES = 8
 
@@ -66,23 +71,33 @@ def _block_of(node: fx.Node) -> str | None:
 
 
 def _blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
-    """Calls grouped by block, in graph order; a block whose calls are not contiguous is left out."""
+    """Calls grouped by block, in graph order: each block's longest run of consecutive calls.
+    Calls of a block found elsewhere (a pass's `detach` of a returned cache, placed by the
+    output) stay outside it, reading its outputs."""
     blocks: dict[str, list[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            key = _block_of(node)
-            if key is not None:
-                blocks.setdefault(key, []).append(node)
-    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    at = {n: i for i, n in enumerate(calls)}
-    return {key: nodes for key, nodes in blocks.items() if at[nodes[-1]] - at[nodes[0]] + 1 == len(nodes)}
+    run: list[fx.Node] = []
+    key = None
+    for node in [*gm.graph.nodes, None]:
+        if node is not None and node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        at = None if node is None else _block_of(node)
+        if run and (node is None or at != key):
+            if key is not None and len(run) > len(blocks.get(key, ())):
+                blocks[key] = run
+            run = []
+        key = at
+        if node is not None:
+            run.append(node)
+    return blocks
 
 
 def _refusal(nodes: list[fx.Node], labels: BatchDims) -> Refusal | None:
     inside = set(nodes)
     for n in nodes:
         if labels.of[n] is UNKNOWN:
-            return Refusal(f"{n.format_node()}: not known to treat samples on their own")
+            name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+            what = "writes in place" if writes_in_place(name) else "not known to treat samples on their own"
+            return Refusal(f"{n.format_node()}: {what}")
         for a in n.all_input_nodes:
             if a not in inside and labels.of.get(a, UNKNOWN) is UNKNOWN:
                 return Refusal(f"{a.name}, read by {n.name}: not followed from the batch")
@@ -98,6 +113,17 @@ def slice_candidates(gm: fx.GraphModule) -> tuple[int | None, dict[str, list[fx.
     """The batch size, the blocks that can run over slices of it, and why the others cannot."""
     batch, _, ok, refused = _candidates(gm)
     return batch, ok, refused
+
+
+def why_none_sliced(gm: fx.GraphModule) -> str:
+    """Why no block of `gm` can run over slices of the batch, in a line."""
+    batch, ok, refused = slice_candidates(gm)
+    if batch is None or batch < 2:
+        return "microbatch_blocks: the step's inputs share no batch of 2 or more samples to slice"
+    if not refused:
+        return "microbatch_blocks: no repeated blocks (the items of an nn.ModuleList) to run over slices of the batch"
+    path, why = next(iter(refused.items()))
+    return f"microbatch_blocks left every block whole ({len(refused)}), {path_in_model(path)} because of {why.reason}"
 
 
 def _candidates(
@@ -154,7 +180,8 @@ def _emit_sliced(
     for a in inputs:
         dim = labels.of.get(a)
         if isinstance(dim, int):
-            split = graph.call_function(torch.split, (env[a], sizes), {"dim": dim})
+            per_sample = example_value(a).shape[dim] // batch  # indices along it per sample
+            split = graph.call_function(torch.split, (env[a], [s * per_sample for s in sizes]), {"dim": dim})
             pieces[a] = [graph.call_function(operator.getitem, (split, k)) for k in range(len(sizes))]
     per_slice: list[dict[fx.Node, Any]] = []
     for k, size in enumerate(sizes):
@@ -180,15 +207,17 @@ def _emit_sliced(
 
 
 def _resized(args: tuple, positions: list[Any], batch: int, size: int) -> tuple:
+    """Shape arguments for a slice of `size` samples: each size given for the batch's dimension
+    (`batch` samples, each with as many indices along it as a slice's) scaled to the slice."""
     out = list(args)
     for pos in positions:
         if isinstance(pos, tuple):  # a shape given as one list argument
             i, k = pos
             shape = list(out[i])
-            assert shape[k] == batch, (shape, k, batch)
-            shape[k] = size
+            assert shape[k] % batch == 0, (shape, k, batch)
+            shape[k] = shape[k] // batch * size
             out[i] = type(args[i])(shape)
         else:
-            assert out[pos] == batch, (out, pos, batch)
-            out[pos] = size
+            assert out[pos] % batch == 0, (out, pos, batch)
+            out[pos] = out[pos] // batch * size
     return tuple(out)
