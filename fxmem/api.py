@@ -77,6 +77,9 @@ def optimize(
     `plan`, a saved `plan.json` (or the folder `Plan.save` wrote), applies that plan's
     decisions instead of planning again; `fxmem.PlanMismatchError` is raised, naming the
     first difference, if it was made for another graph (other model, shapes or dtypes).
+
+    A copy (`copy.deepcopy`, `torch.save` and `torch.load`) keeps these settings, except
+    `optimizer=`, whose parameters are not the copy's, and plans again at its first call.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"optimize() takes an nn.Module, got {type(model).__name__}")
@@ -336,13 +339,16 @@ class FxmemModule(nn.Module):
         except AttributeError:
             return getattr(self.__dict__["_fxmem_model"], name)
 
+    # A copy keeps every setting but `optimizer=`, whose parameters are not the copy's: an
+    # optimizer of the copy's warns at its first step, and the copy plans again counting it.
+    # Weights tied by `tie_weights` stay one tensor in the copied model, and its plans say so.
     def __deepcopy__(self, memo: dict) -> FxmemModule:
-        return optimize(copy.deepcopy(self._fxmem_model, memo), **self._copy_kwargs())
+        return _reoptimized(copy.deepcopy(self._fxmem_model, memo), self._copy_kwargs(), self._fxmem_ties)
 
     def __reduce__(self) -> tuple:
         # Pickled (`torch.save(module)`) as the original module and the settings: the compiled
         # steps are code of this process, and the copy plans again on its first call.
-        return _reoptimized, (self._fxmem_model, self._copy_kwargs())
+        return _reoptimized, (self._fxmem_model, self._copy_kwargs(), self._fxmem_ties)
 
     def _copy_kwargs(self) -> dict[str, Any]:
         o = self._fxmem_options
@@ -377,8 +383,10 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def _reoptimized(model: nn.Module, kwargs: dict[str, Any]) -> FxmemModule:
-    return optimize(model, **kwargs)
+def _reoptimized(model: nn.Module, kwargs: dict[str, Any], ties: int = 0) -> FxmemModule:
+    wrapped = optimize(model, **kwargs)
+    wrapped.__dict__["_fxmem_ties"] = ties  # tied when the original was optimized
+    return wrapped
 
 
 def _backend(options_ref: weakref.ref) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -66,6 +67,17 @@ def test_tie_true_ties_counts_once_and_trains_like_a_tied_model():
     loss_ref = step(reference, *batch)
     assert torch.allclose(loss, loss_ref, rtol=1e-5)
     assert max_rel_err(grads_of(model), grads_of(reference)) < 1e-4
+
+
+def test_a_copy_of_a_tied_module_stays_tied_and_says_so(tmp_path):
+    model, batch = _untied_checkpoint()
+    m = fxmem.optimize(model, budget_gb=1.0, compiler="eager", tie_weights=True)
+    torch.save(m, tmp_path / "m.pt")
+    for c in (copy.deepcopy(m), torch.load(tmp_path / "m.pt", weights_only=False)):
+        assert c.module.lm_head.weight is c.module.wte.weight
+        step(c, *batch)
+        assert c.plan.rewrites["tie_weights"] == 1
+        assert c.plan.tied_weights == [["wte.weight", "lm_head.weight"]]
 
 
 def test_named_pairs_and_refusals():
