@@ -17,12 +17,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from fxmem import _torch_private as tp
 from fxmem.backend import COMPILERS, Options, fxmem_backend
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb, not_one_graph, why_not_captured
+from fxmem.optimizer import OptimizerNotPlannedWarning, planned_for
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
 from fxmem.probe import probes_skipped
 from fxmem.step_start import gradients_held, held_while_capturing
 
-__all__ = ["FxmemModule", "optimize"]
+__all__ = ["FxmemModule", "OptimizerNotPlannedWarning", "optimize"]
 
 
 def optimize(
@@ -158,8 +159,7 @@ class FxmemModule(nn.Module):
         `optimizer=` planned for, holds state the plans do not count. Warned once per
         optimizer; every step is planned again at its next call, counting that state."""
         planned = self._fxmem_options.optimizer
-        # A wrapper's inner optimizer (Accelerate's, ZeroRedundancyOptimizer's) shares its state.
-        if optimizer in self._fxmem_seen_optimizers or (planned is not None and optimizer.state is planned.state):
+        if optimizer in self._fxmem_seen_optimizers or planned_for(optimizer, planned):
             return
         self._fxmem_seen_optimizers.add(optimizer)
         mine = {id(p) for p in self._fxmem_model.parameters()}
@@ -365,11 +365,6 @@ class FxmemModule(nn.Module):
     def extra_repr(self) -> str:
         o = self._fxmem_options
         return f"budget_gb={o.budget_gb}, compiler={o.compiler!r}, module={type(self._fxmem_model).__name__}"
-
-
-class OptimizerNotPlannedWarning(UserWarning):
-    """An optimizer stepped on the parameters of an optimized module whose plans were made
-    without it (`optimizer=` not given, or another one): its state and step are outside them."""
 
 
 _watched: weakref.WeakSet[FxmemModule] = weakref.WeakSet()

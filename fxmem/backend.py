@@ -29,7 +29,7 @@ from fxmem.constants import checked
 from fxmem.errors import BudgetError, DataDependentShapeError, check_budget_gb, with_hint
 from fxmem.nodes import source_line
 from fxmem.ops import static_int
-from fxmem.optimizer import optimizer_bytes
+from fxmem.optimizer import optimizer_bytes, watch_optimizers
 from fxmem.outputs import watch_outputs, with_output_hooks
 from fxmem.partition import PlanRequest, make_partition_fn, margin_for
 from fxmem.passes.microbatch_blocks import MAX_SLICES, microbatch_blocks, why_none_sliced
@@ -232,7 +232,8 @@ def fxmem_backend(
     margin, keep_outputs (see `fxmem.optimize`), dump (a folder to save every plan into;
     default $FXMEM_DUMP), plan (a saved plan.json to apply), on_plan (called with each plan as
     it is made). `watch_gradients`: warn when a call starts with gradients held that the plan
-    did not count (`fxmem.optimize` plans such calls again instead)."""
+    did not count, or an optimizer it did not count steps on its parameters (`fxmem.optimize`
+    plans again for either instead)."""
     if kwargs.get("mode"):
         log.warning("fxmem ignores torch.compile mode=%r", kwargs["mode"])
     opts = options if isinstance(options, Options) else Options.from_dict(options)
@@ -318,6 +319,7 @@ def fxmem_backend(
     step = count_saved(step, plan.saved_bytes)
     if watch_gradients and plan.budget_bytes is not None:
         step = warn_if_gradients_appear(step, example_inputs, plan.budget_bytes)
+        watch_optimizers([x for x in example_inputs if isinstance(x, torch.nn.Parameter)], opts.optimizer)
     if plan.budget_bytes is None:
         return step
     # Numbers only: the step outlives its module in caches beyond fxmem's reach (Dynamo's,

@@ -11,14 +11,69 @@ the largest of those.
 
 from __future__ import annotations
 
+import threading
+import warnings
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxmem import _torch_private as tp
 from fxmem.cost import tensor_bytes
 
-__all__ = ["optimizer_bytes", "step_implementation"]
+__all__ = ["OptimizerNotPlannedWarning", "optimizer_bytes", "step_implementation", "watch_optimizers"]
+
+
+class OptimizerNotPlannedWarning(UserWarning):
+    """An optimizer stepped on the parameters of an optimized module whose plans were made
+    without it (`optimizer=` not given, or another one): its state and step are outside them."""
+
+
+def planned_for(optimizer: torch.optim.Optimizer, planned: torch.optim.Optimizer | None) -> bool:
+    """`optimizer` is the one a plan counted (or a wrapper's inner one: Accelerate's,
+    ZeroRedundancyOptimizer's share its state)."""
+    return planned is not None and (optimizer is planned or optimizer.state is planned.state)
+
+
+# Parameters of the steps the torch.compile backend planned against a budget, each with the
+# optimizer its plan counted (a weak reference; None: none): an optimizer stepping on them that
+# is not that one is warned of, once. `fxmem.optimize` watches its own and plans again instead.
+_planned_with: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_judged: weakref.WeakSet = weakref.WeakSet()  # optimizers warned of, or found planned for
+_lock = threading.Lock()
+
+
+def watch_optimizers(parameters: Sequence[torch.Tensor], planned: torch.optim.Optimizer | None) -> None:
+    """Warn (`OptimizerNotPlannedWarning`) when an optimizer other than `planned` steps on
+    `parameters`, the parameters of a step planned with `planned` counted."""
+    with _lock:
+        for p in parameters:
+            _planned_with[p] = None if planned is None else weakref.ref(planned)
+        _judged.clear()  # a new plan: each optimizer is judged against it again
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _planned_with or optimizer in _judged:
+        return
+    with _lock:
+        _judged.add(optimizer)
+        plans = [_planned_with.get(p, False) for group in optimizer.param_groups for p in group["params"]]
+    plans = [ref for ref in plans if ref is not False]
+    if not plans or all(ref is not None and planned_for(optimizer, ref()) for ref in plans):
+        return
+    warnings.warn(
+        f"fxmem: an optimizer ({type(optimizer).__name__}) stepped on the parameters of a step the fxmem "
+        "backend planned without it: its state and its step are outside that plan's budget. Pass it to "
+        "torch.compile as options={'optimizer': ...}, or use fxmem.optimize, which plans again for it",
+        OptimizerNotPlannedWarning,
+        stacklevel=3,  # the caller of optimizer.step()
+    )
+
+
+register_optimizer_step_post_hook(_after_step)
 
 # state tensors per parameter (the first step allocates them)
 _STATE_SLOTS = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "RMSprop": 1, "Adagrad": 1, "SGD": 0}

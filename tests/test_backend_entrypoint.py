@@ -380,3 +380,38 @@ def test_small_matmuls_leave_the_callers_autograd_state_alone():
     with torch.no_grad():
         assert run_small_matmuls(torch.device("cpu")) is True
     assert torch.is_grad_enabled()
+
+
+def test_an_optimizer_the_backend_did_not_plan_for_warns_once():
+    """Without options={"optimizer": ...}, AdamW's state (two copies of the parameters) is
+    outside the plan from the second step on: the first step of such an optimizer warns."""
+    import warnings
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    x = torch.randn(64, 256)
+
+    def trained(options):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+        opt = torch.optim.AdamW(model.parameters())
+        torch.compile(model, backend="fxmem", options={"budget_gb": 1.0, "compiler": "eager", **options(opt)})(
+            x
+        ).sum().backward()
+        return model, opt
+
+    _, opt = trained(lambda opt: {})
+    with pytest.warns(fxmem.OptimizerNotPlannedWarning, match="options=") as warned:
+        opt.step()
+        opt.step()
+    assert len(warned) == 1 and warned[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxmem.OptimizerNotPlannedWarning)
+        _, planned = trained(lambda opt: {"optimizer": opt})
+        planned.step()  # the optimizer the plan counts
+        torch.optim.SGD(nn.Linear(2, 2).parameters()).step()  # other parameters: nothing to say
+    model = nn.Sequential(nn.Linear(256, 1))
+    fxmem.optimize(model, 1.0, compiler="eager")(x).sum().backward()
+    opt = torch.optim.SGD(model.parameters())
+    with pytest.warns(fxmem.OptimizerNotPlannedWarning) as warned:
+        opt.step()
+    assert len(warned) == 1 and "optimizer=" in str(warned[0].message)  # fxmem.optimize's own, alone
