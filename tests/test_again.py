@@ -150,22 +150,21 @@ def test_a_value_computed_a_second_time_is_made_from_values_still_saved(monkeypa
 
 
 @pytest.mark.slow
-def test_a_saved_plan_with_a_second_recomputation_is_applied(tmp_path):
+def test_a_saved_plan_with_a_second_recomputation_is_applied(tmp_path, one_thread):
     model, batch = _deep_gpt()
-    budget_gb = _floor(model, batch)[0] / 2**30
-    m = fxmem.optimize(model, budget_gb, example_inputs=batch)
-    step(m, *batch)
-    grads = grads_of(model)
-    m.plan.save(tmp_path, files=False)
-    torch._dynamo.reset()
+    step(model, *batch)
+    ref = grads_of(model)
     zero_grads(model)
+    floor, plan = _floor(model, batch)  # the plan at the floor: it computes values twice
+    assert plan.second_recomputation["dropped"]
+    plan.save(tmp_path, files=False)
     # (more budget: the gradients kept to compare with are live tensors now)
-    reused = fxmem.optimize(model, 1.5 * budget_gb, example_inputs=batch, plan=tmp_path)
+    reused = fxmem.optimize(model, 1.5 * floor / 2**30, example_inputs=batch, plan=tmp_path)
     step(reused, *batch)
-    assert reused.plan.second_recomputation == m.plan.second_recomputation
-    assert reused.plan.saved_nodes == m.plan.saved_nodes
-    assert reused.plan.timeline["events"] == m.plan.timeline["events"]
-    assert max_rel_err(grads_of(model), grads) < 1e-6
+    assert reused.plan.second_recomputation == plan.second_recomputation
+    assert reused.plan.saved_nodes == plan.saved_nodes
+    assert reused.plan.timeline["events"] == plan.timeline["events"]
+    assert max_rel_err(grads_of(model), ref) < 1e-4
 
 
 def test_a_bias_gradient_is_summed_before_the_matmuls_that_read_its_input(monkeypatch):

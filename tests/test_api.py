@@ -274,19 +274,21 @@ def test_convnext_saving_everything_measured_as_predicted():
 @pytest.mark.skipif(not own_recompiles(), reason="torch.compile has no isolate_recompiles")
 def test_many_models_of_one_class_optimized_in_one_process():
     """Each optimized module compiles with a backend of its own: counted together, torch's
-    recompile limit (8) failed the ninth module of a class, the earlier ones dropped or not."""
+    recompile limit (8) failed the ninth module of a class, the earlier ones dropped or not.
+    Here with a limit of 2, so that five modules pass it."""
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
     kept = []
-    for k in range(torch._dynamo.config.recompile_limit + 3):
-        torch.manual_seed(k)
-        model = GPT(cfg)
-        batch = gpt_batch(cfg, batch=2, seq=16, seed=k)
-        m = fxmem.optimize(model, 1.0, compiler="eager")
-        step(m, *batch)
-        assert all(p.grad is not None for p in model.parameters())
-        if k % 2:
-            kept.append(m)  # alive or dropped: neither counts against the others
-    assert len(kept) > torch._dynamo.config.recompile_limit // 2
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for k in range(torch._dynamo.config.recompile_limit + 3):
+            torch.manual_seed(k)
+            model = GPT(cfg)
+            batch = gpt_batch(cfg, batch=2, seq=16, seed=k)
+            m = fxmem.optimize(model, 1.0, compiler="eager")
+            step(m, *batch)
+            assert all(p.grad is not None for p in model.parameters())
+            if k % 2:
+                kept.append(m)  # alive or dropped: neither counts against the others
+    assert len(kept) == 2
 
 
 def test_impossible_budget_raises_before_running_and_leaves_model_untouched():
