@@ -48,6 +48,7 @@ _POINTWISE = {
     torch.sigmoid, torch.rsqrt, torch.sqrt, torch.erf, torch.where, torch.masked_fill, torch.cos, torch.sin,
     F.gelu, F.relu, F.silu, F.tanh, F.sigmoid, torch.relu, torch.square, torch.abs,
     operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.invert,
+    operator.and_, operator.or_, torch.logical_and, torch.logical_or, "logical_and", "logical_or",
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_not,
     "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "square", "abs",
     "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "cos", "sin",
@@ -62,7 +63,9 @@ _MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
 _SPLITS = {"unbind", torch.unbind, "split", "chunk", torch.split, torch.chunk}
 _CONVS = {F.conv1d, F.conv2d, F.conv3d}
 # Tensors made from sizes alone (no random draws): the same for every sample.
-_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.eye, torch.tensor}
+_FACTORIES = {
+    torch.arange, torch.zeros, torch.ones, torch.full, torch.eye, torch.tensor, "new_ones", "new_zeros", "new_full",
+}  # fmt: skip
 _KNOWN = (
     _POINTWISE | _CONVS | {F.embedding} | _REDUCTIONS | _SOFTMAX | _VIEWS | _PERMUTES | _TRANSPOSES | _MATMULS | _SPLITS
     | {F.linear, torch.addmm, F.layer_norm, torch.layer_norm, F.scaled_dot_product_attention, "unsqueeze", torch.unsqueeze,
@@ -261,6 +264,25 @@ class BatchDims:
         fixed = all(self.get(a) is None for a in (bias, w, *node.kwargs.values()))
         return 0 if self.get(x) == 0 and fixed and (len(bias_shape) < 2 or bias_shape[0] == 1) else UNKNOWN
 
+    def _gathered(self, node: fx.Node) -> Label:
+        """`src[i, j, ...]`, an index tensor for every dimension: by sample when the batch's is
+        `torch.arange(batch)` (HF's padding masks: `mask[batch_arange[:, None, None, None],
+        kv_arange]`) and the others are the same for every sample."""
+        src, idx = node.args
+        out = _shape(node)
+        lab = self.get(src)
+        if out is None or len(idx) != len(_shape(src)) or any(self.get(i) is not None for i in idx):
+            return UNKNOWN
+        at = _batch_arange(idx[lab], self.batch)
+        shape = _shape(idx[lab])
+        if at is None or shape is None:
+            return UNKNOWN
+        dim = at + len(out) - len(shape)  # where broadcasting puts it
+        others = [_shape(i) for k, i in enumerate(idx) if k != lab]
+        if any(s is None or (dim - len(out) + len(s) >= 0 and s[dim - len(out) + len(s)] != 1) for s in others):
+            return UNKNOWN
+        return dim
+
     def _split(self, node: fx.Node) -> Label:
         x, shape = self.get(node.args[0]), _shape(node.args[0])
         unbind = node.target in ("unbind", torch.unbind)
@@ -317,6 +339,8 @@ class BatchDims:
         lab = self.get(src)
         if isinstance(lab, tuple) and isinstance(idx, int):
             return lab[idx]
+        if isinstance(lab, int) and isinstance(idx, tuple) and all(isinstance(i, fx.Node) for i in idx):
+            return self._gathered(node)
         if lab is None and not any(isinstance(i, fx.Node) for i in (idx if isinstance(idx, tuple) else (idx,))):
             return None
         if not isinstance(lab, int) or not isinstance(src, fx.Node) or _shape(src) is None:
@@ -339,6 +363,22 @@ class BatchDims:
             in_dim += 1
             out_dim += 0 if isinstance(i, int) else 1
         return UNKNOWN
+
+
+def _batch_arange(node: Any, batch: int) -> int | None:
+    """The dimension along which `node` is `torch.arange(batch)` (with dimensions of size 1 put
+    around it), or None."""
+    dim = 0
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+        idx = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if any(i is not None and i != slice(None) for i in idx) or sum(i is not None for i in idx) != 1:
+            return None
+        dim = [k for k, i in enumerate(idx) if i is not None][0]  # where the one dimension stays
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target is torch.arange and not node.kwargs.keys() - {"device", "dtype"}):
+        return None
+    bounds = node.args
+    return dim if bounds in ((batch,), (0, batch), (0, batch, 1)) else None
 
 
 def _int_args(rest: Sequence[Any], given: Any) -> list[int]:

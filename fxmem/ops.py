@@ -182,11 +182,16 @@ _IN_PLACE_OPERATORS = frozenset(
 )
 
 
+# operator's functions whose names end in '_' without writing anything (`a & b` is operator.and_)
+_OPERATOR_NAMES = frozenset({"and_", "or_", "not_", "is_", "contains"})
+
+
 def writes_in_place(name: str) -> bool:
-    """add_, relu_; iadd, __iadd__, __setitem__ — not __eq__, whose name also ends in '_'."""
+    """add_, relu_; iadd, __iadd__, __setitem__ — not __eq__, whose name also ends in '_', nor
+    operator.and_ (`a & b`)."""
     if name.startswith("__") and name.endswith("__"):
         return name[2:-2] in _IN_PLACE_OPERATORS or name in ("__setitem__", "__delitem__")
-    return name.endswith("_") or name in _IN_PLACE_OPERATORS
+    return (name.endswith("_") and name not in _OPERATOR_NAMES) or name in _IN_PLACE_OPERATORS
 
 
 _IN_PLACE_FUNCTIONS = {

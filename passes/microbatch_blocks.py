@@ -32,8 +32,9 @@ A block is sliced when every op in it treats each sample on its own, followed th
 and permutes: pointwise ops, linear, addmm and matmul, LayerNorm and RMSNorm-style reductions
 over features, softmax, SDPA without dropout, views that keep each sample's values together
 (the batch whole, or merged with the dimensions after it: GPT-2's `x.view(-1, C)`), tables the
-same for every sample (Llama's rotary `cos`/`sin`, one for the batch). HF's GPT-2 and
-Llama-style decoder layers are sliced. Anything else leaves the block as it is: BatchNorm or
+same for every sample (Llama's rotary `cos`/`sin`, one for the batch), masks gathered sample
+by sample (HF's padding masks: `mask[arange(batch)[:, None, None, None], kv]`). HF's GPT-2 and
+Llama-style decoder layers are sliced, with a padding mask or without. Anything else leaves the block as it is: BatchNorm or
 another reduction over the batch, random ops (each slice would draw differently from the
 unsliced step), in-place ops, views that interleave the samples, ops not listed here. A budget
 refused with no block sliced says which op kept the first block whole.

@@ -127,6 +127,19 @@ class _InterleavedBlock(nn.Module):
         return x + self.fc(h).view(4, b, c // 4).transpose(0, 1).reshape(b, c)
 
 
+class _ReversedBlock(nn.Module):
+    """Each sample gathered from another's place: an index over the batch that is not arange."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, c = x.shape
+        h = self.fc(x)
+        return x + h[torch.arange(b - 1, -1, -1)[:, None], torch.arange(c)[None, :]]
+
+
 class _Stack(nn.Module):
     def __init__(self, block, width=16, n=2):
         super().__init__()
@@ -146,6 +159,7 @@ class _Stack(nn.Module):
         (_InPlaceBlock, "mul_"),
         (_MeanBlock, "mean"),
         (_InterleavedBlock, "reshape"),
+        (_ReversedBlock, "getitem"),
     ],
 )
 def test_blocks_that_mix_samples_or_draw_are_left_whole(block, reason):
@@ -213,19 +227,25 @@ def test_blocks_over_the_rows_of_merged_samples_are_sliced_exactly(flatten):
     assert max_rel_err(grads_of(model), ref) < TOL
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_decoder_layers_are_sliced_exactly(name):
+@pytest.mark.parametrize("name,padded", [("gpt2", False), ("llama", False), ("llama", True)])
+def test_hf_decoder_layers_are_sliced_exactly(name, padded):
     """GPT-2's Conv1D rows; Llama's rotary tables (one for the batch) and float32 casts; both
-    layers' key/value cache made from an empty tensor."""
+    layers' key/value cache made from an empty tensor; a padding mask gathered by sample
+    (`mask[arange(batch)[:, None, None, None], kv]`), with rows that attend to nothing."""
     pytest.importorskip("transformers")
     from test_hf_models import MODELS
 
     torch.manual_seed(0)
     model = MODELS[name](2)
     ids = torch.randint(0, 512, (4, 32))
-    ref_loss, ref = _eager_grads(model, (), input_ids=ids, labels=ids)
+    batch = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :5] = mask[2, :17] = 0  # left padding
+        batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    ref_loss, ref = _eager_grads(model, (), **batch)
     fn, seen = compile_with_pass(_sliced(2), model)
-    loss = step(fn, input_ids=ids, labels=ids)
+    loss = step(fn, **batch)
     assert seen[0][1] == 2
     assert torch.allclose(loss, ref_loss, rtol=TOL)
     assert max_rel_err(grads_of(model), ref) < TOL
