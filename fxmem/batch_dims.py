@@ -54,6 +54,7 @@ _POINTWISE = {
     "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "cos", "sin",
     "relu", "masked_fill", "float", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone",
 }  # fmt: skip
+_CASTS = {"float", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax, "mean", "sum", "amax"}
 _SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
 _VIEWS = {"view", "reshape", torch.reshape}
@@ -134,6 +135,9 @@ class BatchDims:
             return None
         if out is None and t not in _SPLITS:
             return UNKNOWN
+        if t in _CASTS:  # `w.to(x)`, `w.type_as(x)`: x gives a dtype, the value is w's
+            x = self.get(args[0])
+            return x if isinstance(x, int) or x is None else UNKNOWN
         if t in _POINTWISE:
             return self._broadcast(node, [*args, *kw.values()], out)
         if t is F.linear:
@@ -192,7 +196,7 @@ class BatchDims:
                 return UNKNOWN
             if isinstance(lab, int):
                 aligned = lab + len(out) - len(shape)
-                if dim not in (None, aligned) or lab >= len(shape) - matrix_dims:
+                if dim not in (None, aligned) or aligned < 0 or lab >= len(shape) - matrix_dims:
                     return UNKNOWN
                 dim = aligned
         for a in operands:

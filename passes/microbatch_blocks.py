@@ -105,6 +105,12 @@ def _refusal(nodes: list[fx.Node], labels: BatchDims) -> Refusal | None:
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     if not outputs or any(not isinstance(labels.of[n], int) for n in outputs):
         return Refusal("a value leaving the block has no batch dimension")
+    for n in outputs:
+        # Rebuilt whole by torch.cat, which is contiguous: a strided view (a transpose) would
+        # leave the block in another layout, where a later `.view` can fail.
+        v = example_value(n)
+        if not isinstance(v, torch.Tensor) or not v.is_contiguous():
+            return Refusal(f"{n.name}, leaving the block, is not contiguous")
     if not any(isinstance(labels.of.get(a), int) for n in nodes for a in n.all_input_nodes if a not in inside):
         return Refusal("nothing from the batch enters the block")
     return None

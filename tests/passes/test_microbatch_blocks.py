@@ -140,6 +140,20 @@ class _ReversedBlock(nn.Module):
         return x + h[torch.arange(b - 1, -1, -1)[:, None], torch.arange(c)[None, :]]
 
 
+class _TransposedOutBlock(nn.Module):
+    """(B, C, S) in and out, a transposed view: rebuilt by cat, the output would be contiguous,
+    and the next block's `.view` of it transposed back would fail."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = x.transpose(1, 2)
+        b, s, c = h.shape
+        return self.fc(h.view(-1, c)).tanh().view(b, s, c).transpose(1, 2)
+
+
 class _Stack(nn.Module):
     def __init__(self, block, width=16, n=2):
         super().__init__()
@@ -178,6 +192,58 @@ def test_blocks_that_mix_samples_or_draw_are_left_whole(block, reason):
     batch, ok, refused = seen[0]
     assert batch == 8 and not ok and fired[0][1] == 0
     assert len(refused) == 2 and reason in refused["L['self'].blocks.0"].reason, refused
+
+
+def test_a_block_whose_output_is_a_strided_view_is_left_whole():
+    torch.manual_seed(0)
+    model = _Stack(_TransposedOutBlock, width=8)
+    x = torch.randn(8, 5, 8).transpose(1, 2)  # (B, C, S), a transposed view
+    ref = model(x)
+    seen = []
+
+    def run(gm, ex):
+        seen.append(slice_candidates(gm)[2])
+        return microbatch_blocks(gm, 2)
+
+    fn, fired = compile_with_pass(run, model)
+    assert torch.allclose(fn(x), ref, rtol=TOL)
+    assert fired[0][1] == 0 and "is not contiguous" in seen[0]["L['self'].blocks.0"].reason
+
+
+class _PositionStack(nn.Module):
+    """A table the same for every sample, cast with `type_as(x)`: x gives a dtype, not a shape
+    (its features as many as the batch's samples, 4)."""
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.fc = nn.Linear(width, width)
+
+        def forward(self, x, pe):
+            return self.fc(x + pe).tanh()
+
+    def __init__(self, seq=5, width=4):
+        super().__init__()
+        self.pe = nn.Parameter(torch.randn(seq, width))
+        self.blocks = nn.ModuleList(self.Block(width) for _ in range(2))
+
+    def forward(self, x):
+        pe = self.pe.type_as(x)
+        for b in self.blocks:
+            x = b(x, pe)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+def test_a_cast_like_the_batch_keeps_its_own_shape(slices):
+    torch.manual_seed(0)
+    model, x = _PositionStack(), torch.randn(4, 5, 4)
+    ref_loss, ref = _eager_grads(model, (x,))
+    fn, seen = compile_with_pass(_sliced(slices), model)
+    loss = step(fn, x)
+    assert seen[0][1] == 2
+    assert torch.allclose(loss, ref_loss, rtol=TOL)
+    assert max_rel_err(grads_of(model), ref) < TOL
 
 
 def test_a_refused_budget_says_why_no_block_was_sliced():
