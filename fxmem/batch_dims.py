@@ -52,8 +52,9 @@ _POINTWISE = {
     torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.logical_not,
     "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "square", "abs",
     "add", "sub", "mul", "div", "neg", "pow", "exp", "tanh", "sigmoid", "rsqrt", "sqrt", "erf", "cos", "sin",
-    "relu", "masked_fill", "float", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone",
+    "relu", "masked_fill",
 }  # fmt: skip
+# One tensor's values again, in a dtype or a layout (`w.to(x)`, `w.type_as(x)`: x gives a dtype).
 _CASTS = {"float", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone"}
 _REDUCTIONS = {torch.mean, torch.sum, torch.amax, "mean", "sum", "amax"}
 _SOFTMAX = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
@@ -68,7 +69,7 @@ _FACTORIES = {
     torch.arange, torch.zeros, torch.ones, torch.full, torch.eye, torch.tensor, "new_ones", "new_zeros", "new_full",
 }  # fmt: skip
 _KNOWN = (
-    _POINTWISE | _CONVS | {F.embedding} | _REDUCTIONS | _SOFTMAX | _VIEWS | _PERMUTES | _TRANSPOSES | _MATMULS | _SPLITS
+    _POINTWISE | _CASTS | _CONVS | {F.embedding} | _REDUCTIONS | _SOFTMAX | _VIEWS | _PERMUTES | _TRANSPOSES | _MATMULS | _SPLITS
     | {F.linear, torch.addmm, F.layer_norm, torch.layer_norm, F.scaled_dot_product_attention, "unsqueeze", torch.unsqueeze,
        "flatten", torch.flatten, torch.cat, torch.stack, "expand"}
 )  # fmt: skip
@@ -135,7 +136,7 @@ class BatchDims:
             return None
         if out is None and t not in _SPLITS:
             return UNKNOWN
-        if t in _CASTS:  # `w.to(x)`, `w.type_as(x)`: x gives a dtype, the value is w's
+        if t in _CASTS:
             x = self.get(args[0])
             return x if isinstance(x, int) or x is None else UNKNOWN
         if t in _POINTWISE:

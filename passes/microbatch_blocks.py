@@ -45,6 +45,7 @@ over the slices, as gradient accumulation sums it (equal to float rounding).
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any
 
@@ -75,20 +76,12 @@ def _blocks(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
     """Calls grouped by block, in graph order: each block's longest run of consecutive calls.
     Calls of a block found elsewhere (a pass's `detach` of a returned cache, placed by the
     output) stay outside it, reading its outputs."""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     blocks: dict[str, list[fx.Node]] = {}
-    run: list[fx.Node] = []
-    key = None
-    for node in [*gm.graph.nodes, None]:
-        if node is not None and node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        at = None if node is None else _block_of(node)
-        if run and (node is None or at != key):
-            if key is not None and len(run) > len(blocks.get(key, ())):
-                blocks[key] = run
-            run = []
-        key = at
-        if node is not None:
-            run.append(node)
+    for key, group in itertools.groupby(calls, key=_block_of):
+        run = list(group)
+        if key is not None and len(run) > len(blocks.get(key, ())):
+            blocks[key] = run
     return blocks
 
 
