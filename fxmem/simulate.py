@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from fxmem.graph import BWD, JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.nodes import transient_bytes
+from fxmem.own_stack import stop_if_abandoned
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
@@ -63,6 +64,7 @@ def simulate(
     bytes each is charged (nothing for a value a fusing compiler never writes out). With
     `above`, None as soon as the bytes in use exceed it (the caller only wants a peak no
     higher)."""
+    stop_if_abandoned()
     events: list[tuple[int, int, int]] | None = [] if record_events else None
     fwd_order = jg.forward_nodes
     bwd_order, recomputed = backward_order(jg, saved)
