@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fxmem
+from fxmem import partition
 from fxmem.cost import measure_rates
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
@@ -80,6 +81,20 @@ def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
 def small_gpt(seed: int = 0, cfg: GPTConfig = SMALL_GPT):
     torch.manual_seed(seed)
     return GPT(cfg), gpt_batch(cfg, *GPT_BATCH)
+
+
+def spy_on_partition(monkeypatch, name: str = "emit_graphs") -> list:
+    """The first two arguments of each call to `partition.<name>` (the joint graph, and the
+    choice or trajectory); the calls go on as before."""
+    seen = []
+    original = getattr(partition, name)
+
+    def spy(jg, second, *rest):
+        seen.append((jg, second))
+        return original(jg, second, *rest)
+
+    monkeypatch.setattr(partition, name, spy)
+    return seen
 
 
 def dropout_blocks_runs(monkeypatch, device: str = "cpu"):

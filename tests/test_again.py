@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from conftest import grads_of, max_rel_err, small_gpt, step, zero_grads
+from conftest import grads_of, max_rel_err, small_gpt, spy_on_partition, step, zero_grads
 
 import fxmem
 from fxmem import partition
@@ -19,20 +19,6 @@ from fxmem.testing import GPT, GPTConfig, gpt_batch
 # Three blocks at T=256: residuals large enough beside the attention's working set that
 # rebuilding every other one from the one before lowers the floor.
 DEEP_GPT = GPTConfig(vocab_size=2048, block_size=256, n_layer=3, n_head=2, n_embd=64)
-
-
-def _capture(monkeypatch, name: str = "emit_graphs"):
-    """The first two arguments of each call to `partition.<name>` (the joint graph, and the
-    choice or trajectory); the calls go on as before."""
-    seen = []
-    original = getattr(partition, name)
-
-    def spy(jg, second, *rest):
-        seen.append((jg, second))
-        return original(jg, second, *rest)
-
-    monkeypatch.setattr(partition, name, spy)
-    return seen
 
 
 def _deep_gpt():
@@ -56,7 +42,7 @@ def _floor(model, batch) -> tuple[int, fxmem.Plan]:
 def test_late_readers_read_a_backward_copy(monkeypatch):
     """Each LayerNorm output is read by its Linear (forward) and by the weight's gradient (late
     in the backward): the gradient reads a copy the backward makes, the forward value none."""
-    seen = _capture(monkeypatch)
+    seen = spy_on_partition(monkeypatch)
     model, batch = small_gpt()
     step(model, *batch)
     ref = grads_of(model)
@@ -75,7 +61,7 @@ def test_late_readers_read_a_backward_copy(monkeypatch):
 
 def test_without_a_fusing_compiler_no_copy_is_made(monkeypatch):
     """With the eager compiler a copy is an op of its own, no cheaper than saving the value."""
-    seen = _capture(monkeypatch)
+    seen = spy_on_partition(monkeypatch)
     model, batch = small_gpt()
     step(fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch), *batch)
     jg, _ = seen[-1]
@@ -123,7 +109,7 @@ def test_a_value_computed_a_second_time_is_made_from_values_still_saved(monkeypa
     copy, two of one block's values held from the first rebuild on (on the torch 2.15 graph the
     floor stayed at that of recomputing once). Checked for the saved values of every state the
     planner walked through."""
-    seen = _capture(monkeypatch, "_second_recomputation")
+    seen = spy_on_partition(monkeypatch, "_second_recomputation")
     model, batch = _deep_gpt()
     _floor(model, batch)
     jg, trajectory = seen[-1]
@@ -171,7 +157,7 @@ def test_a_bias_gradient_is_summed_before_the_matmuls_that_read_its_input(monkey
     """A bias's gradient sums the rows of its output's gradient. Summed after the matmuls,
     inductor fused the sum into the next kernel, holding that gradient past the weight
     gradient's matmul (a (B*T, 3C) buffer over the embedding's gradient at the floor)."""
-    seen = _capture(monkeypatch)
+    seen = spy_on_partition(monkeypatch)
     model, batch = small_gpt()
     step(fxmem.optimize(model, 1.0, example_inputs=batch), *batch)
     jg, choice = seen[-1]

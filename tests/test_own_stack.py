@@ -9,10 +9,10 @@ import threading
 import time
 
 import pytest
-from conftest import small_gpt, step
+from conftest import small_gpt, spy_on_partition, step
 
 import fxmem
-from fxmem import partition, walks
+from fxmem import walks
 from fxmem.own_stack import on_own_stack, stop_if_abandoned
 from fxmem.planner import plan_trajectory
 
@@ -108,9 +108,7 @@ def test_an_interrupted_caller_stops_its_search(interrupts):
 
 @_signals
 def test_an_interrupted_plan_stops_at_its_next_simulation(monkeypatch, interrupts):
-    graphs = []
-    emit = partition.emit_graphs
-    monkeypatch.setattr(partition, "emit_graphs", lambda jg, *rest: graphs.append(jg) or emit(jg, *rest))
+    planned = spy_on_partition(monkeypatch)
     model, batch = small_gpt()
     fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch)(*batch)
     caller_left, calls, outcomes = threading.Event(), [], []
@@ -130,7 +128,7 @@ def test_an_interrupted_plan_stops_at_its_next_simulation(monkeypatch, interrupt
     monkeypatch.setattr(walks, "simulate", interrupting)
     with pytest.raises(KeyboardInterrupt):
         try:
-            plan_trajectory(graphs[-1])
+            plan_trajectory(planned[-1][0])
         finally:
             caller_left.set()
     for _ in range(100):
