@@ -32,6 +32,7 @@ __all__ = [
     "boxed_graph_function",
     "compiled_autograd_enabled",
     "extract_fwd_bwd",
+    "carried_context",
     "fake_rerun",
     "foreach_default_devices",
     "is_aten_op",
@@ -96,6 +97,53 @@ def real_tensors() -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
+
+
+def carried_context() -> Callable[[], contextlib.AbstractContextManager]:
+    """The torch state this thread runs a partition function in that each thread keeps for
+    itself, to enter on another: grad mode, Dynamo's tracing and compile contexts (under a
+    tracing context, dead-code elimination drops unused random ops), the active fake mode,
+    the Python dispatcher (AOTAutograd enables it: ops with kernels written in Python run
+    those) and the current CUDA device (a fake tensor made for a bare "cuda" takes its index)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import CompileContext, TracingContext
+
+    grad = torch.is_grad_enabled()
+    traced, compiled = TracingContext.try_get(), CompileContext.try_get()
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    python_dispatcher = torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if cuda_device is not None:
+                stack.enter_context(torch.cuda.device(cuda_device))
+            if python_dispatcher:
+                stack.enter_context(enable_python_dispatcher())
+            stack.enter_context(_guards_set("compile_context", compiled))
+            stack.enter_context(_guards_set("tracing_context", traced))
+            if fake is not None:
+                stack.enter_context(fake)
+            yield
+
+    return entered
+
+
+@contextlib.contextmanager
+def _guards_set(name: str, value: object) -> Iterator[None]:
+    """`torch._guards`' thread-local `name` set to `value` for the block, as its `tracing()`
+    does but without that one's clean-up on exit (it drops the tracing context's shape
+    environment's records, which belong to the thread that made it)."""
+    from torch._guards import _TLS
+
+    old = getattr(_TLS, name, None)
+    setattr(_TLS, name, value)
+    try:
+        yield
+    finally:
+        setattr(_TLS, name, old)
 
 
 def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:

@@ -44,6 +44,7 @@ from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import FWD, JointGraph
 from fxmem.nodes import module_path, source_line
 from fxmem.opaque import seeds_from_buffers
+from fxmem.own_stack import on_callers_thread, on_own_stack, stop_if_abandoned
 from fxmem.plan import FLOOR_SLACK_BYTES, Decision, Plan, format_bytes
 from fxmem.plan_record import fingerprint, graph_record, reuse_trajectory, timeline_record
 from fxmem.planner import Choice, Trajectory, plan_trajectory
@@ -154,14 +155,39 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         # Timing the rates, the first time, allocates beside what is alive: no more than the
         # budget leaves (`limit`).
         cost = CostModel(measure_rates(str(req.device), limit))
+        # The rest is Python over the graph, millions of calls: on a stack of its own (see
+        # `own_stack`), in this thread's torch state.
+        plan, fw, bw = on_own_stack(_plan_and_emit, req, joint, num_fwd_outputs, cost, limit, t0, tp.carried_context())
+        log.info("planned %s nodes in %.2fs\n%s", plan.graph_nodes, plan.planning_s, plan.summary())
+        if req.on_plan is not None:
+            req.on_plan(plan)
+        return fw, bw
+
+    return partition_fn
+
+
+def _plan_and_emit(
+    req: PlanRequest,
+    joint: fx.GraphModule,
+    num_fwd_outputs: int,
+    cost: CostModel,
+    limit: int | None,
+    t0: float,
+    context: Callable[[], contextlib.AbstractContextManager],
+) -> tuple[Plan, fx.GraphModule, fx.GraphModule]:
+    """The plan for `joint` within `limit` (None: unconstrained; planning started at `t0`) and
+    the forward and backward graphs it makes; `BudgetError` when none fits. Run in `context`,
+    the caller's torch state."""
+    with context():
         storage_remap = remove_redundant_clones(joint)
-        layout_opt = req.compiler == "inductor" and tp.inductor_layout_optimization(joint)
+        layout_opt = req.compiler == "inductor" and on_callers_thread(tp.inductor_layout_optimization, joint)
         if layout_opt:
             copy_conv_inputs_channels_last(joint)
             copy_views_of_channels_last(joint)
         fusing = req.compiler == "inductor"
 
         def build(gm: fx.GraphModule) -> JointGraph:
+            stop_if_abandoned()  # as between simulations: the caller was interrupted
             return JointGraph.build(
                 gm,
                 num_fwd_outputs,
@@ -239,16 +265,12 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
             plan = _make_plan(req, jg, trajectory, floor_choice, floor_bytes, planning_s, second, cost.rates, copies)
             raise BudgetError(req.budget_bytes, floor_bytes, plan.breakdown, plan, hint)
         plan = _make_plan(req, jg, trajectory, choice, floor_bytes, planning_s, second, cost.rates, copies)
-        log.info("planned %s nodes in %.2fs\n%s", len(jg.nodes), planning_s, plan.summary())
+        stop_if_abandoned()
         fw, bw = emit_graphs(jg, choice, layout_opt)
         if fusing:
             seeds_from_buffers(fw)
             seeds_from_buffers(bw)
-        if req.on_plan is not None:
-            req.on_plan(plan)
-        return fw, bw
-
-    return partition_fn
+        return plan, fw, bw
 
 
 def _second_recomputation(

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fxmem import _torch_private as tp
 from fxmem.measure import _allocation_events, _peak_rise
+from fxmem.own_stack import on_callers_thread
 
 __all__ = ["probes_skipped", "workspace_bytes"]
 
@@ -73,7 +74,7 @@ def workspace_bytes(node: fx.Node, fusing: bool = False, channels_last: bool = F
     except _Unprobeable:
         return 0
     if key not in _cache:
-        found = _run(node, layout)
+        found = on_callers_thread(_run, node, layout)  # a kernel run on the caller's modes and device
         if found is None:  # not measurable now (a profiler is running): 0, and ask again later
             _skipped[0] += 1
             return 0
