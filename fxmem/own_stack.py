@@ -6,11 +6,10 @@ soon as the frame at its start returns: a loop of calls that crosses a chunk's e
 chunk and unmaps it on every call. Planning runs inside torch.compile, hundreds of frames down
 the caller's stack, and makes millions of small calls; whether its loops sit on an edge depends
 on how deep the caller is. On Python 3.11, HF GPT-2's floor (12 layers, 10,786 joint nodes)
-took 130 s to plan where they did, 55 s of it in the kernel mapping pages, 66 s with the
-save/recompute search on a thread of its own, and 58 s with all of planning there; a 4-layer one's, called from 16 depths, 3.5 to 13.7 s before and
-3.6 to 5.5 s after. With the rest of planning there too (building the graph's arrays, emitting
-the graphs), 3.4 to 3.9 s, and gpt-dropout's plans inside `benchmarks/run.py`, 4.7-6.0 s
-before, 3.5-4.6 s.
+took 130 s to plan where they did, 55 s of it in the kernel mapping pages, and 58 s on a thread
+of its own; a 4-layer one's, called from 16 depths, 3.5 to 13.7 s before and 3.4 to 3.9 s after.
+With only the save/recompute search on its own thread, gpt-dropout's plans inside
+`benchmarks/run.py` took 4.7 to 6.0 s; with all of planning there, 3.5 to 4.6 s.
 
 What must run where the caller's torch state is (a kernel run to measure it: the modes, the
 device and the profiler are the caller thread's own) the planning thread hands back to the

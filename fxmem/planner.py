@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 from fxmem.graph import JointGraph
 from fxmem.kicks import kicked
-from fxmem.own_stack import on_own_stack
 from fxmem.walks import Choice, Effort, by_bytes, by_rate, capped, fit, timeline_within, walk
 
 __all__ = ["Choice", "Trajectory", "plan_trajectory"]
@@ -62,14 +61,11 @@ class Trajectory:
 
     def choose(self, limit_bytes: int) -> Choice | None:
         """The state for a budget's limit: None if none reaches it."""
-        return on_own_stack(self._choose, limit_bytes)
-
-    def _choose(self, limit_bytes: int) -> Choice | None:
         fitting = [c for c in self.states if self.peak(c) <= limit_bytes]
         if not fitting and self._below is not None:
             self.states += self._below()
             self._below = None
-            return self._choose(limit_bytes)
+            return self.choose(limit_bytes)
         if not fitting:
             return None
         best = min(fitting, key=lambda c: c.timeline.recompute_s)
@@ -113,11 +109,8 @@ def plan_trajectory(jg: JointGraph, floor_bytes: int = 0) -> Trajectory:
     recomputation first, the other the most bytes first. A greedy walk can stall above the
     floor when the cheap moves it took early leave no move that lowers the peak; which one
     reaches further depends on the graph, so both are the menu, and what `kicked` finds
-    below where each ended joins it when a budget needs it."""
-    return on_own_stack(_plan_trajectory, jg, floor_bytes)
-
-
-def _plan_trajectory(jg: JointGraph, floor_bytes: int) -> Trajectory:
+    below where each ended joins it when a budget needs it. (Partitioning runs it on a stack of
+    its own: see `own_stack`.)"""
     rate_effort, bytes_effort = Effort(), Effort()
     refused: dict[bytes, int] = {}  # saved sets a walk refused -> the peak they were to stay under
     rate_states = walk(jg, by_rate, rate_effort, refused=refused)

@@ -35,23 +35,6 @@ def _deep(levels: int, fn):
     return fn() if levels == 0 else _deep(levels - 1, fn)
 
 
-def test_the_search_runs_at_the_foot_of_a_stack_however_deep_the_caller(monkeypatch):
-    """CPython 3.11/3.12 map and unmap a stack chunk on every call that crosses a chunk's edge:
-    the planner's millions of calls must not run wherever the caller's depth puts them."""
-    depths = []
-    simulate = walks.simulate
-
-    def recording(*args, **kwargs):
-        depths.append(_depth())
-        return simulate(*args, **kwargs)
-
-    monkeypatch.setattr(walks, "simulate", recording)
-    model, batch = small_gpt()
-    compiled = _deep(150, lambda: fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch))
-    step(compiled, *batch)
-    assert depths and max(depths) < 30  # the caller's: over 150
-
-
 def test_what_the_search_returns_or_raises_reaches_the_caller():
     assert on_own_stack(lambda a, b: (a, b, threading.current_thread().name), 1, 2) == (1, 2, "fxmem-planner")
 
@@ -126,16 +109,22 @@ def test_an_interrupted_plan_stops_at_its_next_simulation(monkeypatch, interrupt
 
     monkeypatch.setattr(walks, "simulate", interrupting)
     with pytest.raises(KeyboardInterrupt):
-        plan_trajectory(planned[-1][0])
+        on_own_stack(plan_trajectory, planned[-1][0])  # as partitioning runs it
     assert outcomes == ["_Abandoned"] and len(calls) == 1
 
 
 def test_planning_runs_at_the_foot_of_a_stack_and_its_kernels_on_the_callers_thread(monkeypatch):
-    """All of planning (the graph's arrays, the search, the emitted graphs) runs on the planning
-    thread, under the caller's grad mode (AOTAutograd partitions under no_grad); the kernels
-    it measures run on the caller's thread, whose modes and device they need."""
-    emitted, probed = [], []
-    emit_graphs, run_real = partition.emit_graphs, probe._run_real
+    """CPython 3.11/3.12 map and unmap a stack chunk on every call that crosses a chunk's edge:
+    planning's millions of calls (the graph's arrays, the search, the emitted graphs) must not
+    run wherever the caller's depth puts them. They run on the planning thread, under the
+    caller's grad mode (AOTAutograd partitions under no_grad); the kernels planning measures
+    run on the caller's thread, whose modes and device they need."""
+    simulated, emitted, probed = [], [], []
+    simulate, emit_graphs, run_real = walks.simulate, partition.emit_graphs, probe._run_real
+
+    def simulating(*args, **kwargs):
+        simulated.append(_depth())
+        return simulate(*args, **kwargs)
 
     def emitting(*args):
         emitted.append((_depth(), threading.current_thread(), torch.is_grad_enabled()))
@@ -145,12 +134,14 @@ def test_planning_runs_at_the_foot_of_a_stack_and_its_kernels_on_the_callers_thr
         probed.append(threading.current_thread())
         return run_real(*args)
 
+    monkeypatch.setattr(walks, "simulate", simulating)
     monkeypatch.setattr(partition, "emit_graphs", emitting)
     monkeypatch.setattr(probe, "_run_real", probing)
     monkeypatch.setattr(probe, "_cache", {})  # each kernel measured again
     model, batch = small_gpt()
     compiled = _deep(150, lambda: fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch))
     step(compiled, *batch)
+    assert simulated and max(simulated) < 30  # the caller's: over 150
     ((depth, thread, grad),) = emitted
     assert depth < 30 and thread.name == "fxmem-planner" and not grad
     assert probed and set(probed) == {threading.current_thread()}  # layer norms, attention
