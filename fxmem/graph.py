@@ -246,16 +246,8 @@ class JointGraph:
 
     def last_reads(self, order: list[int], start: int = 0) -> dict[int, int]:
         """Storage -> the last step of `order`, from `start` on, that makes or reads it."""
-        storage, inputs = self.storage, self.inputs
-        last: dict[int, int] = {}
-        for t in range(start, len(order)):
-            i = order[t]
-            if storage[i] >= 0:
-                last[storage[i]] = t
-            for j in inputs[i]:
-                if storage[j] >= 0:
-                    last[storage[j]] = t
-        return last
+        touched = self.touched
+        return {s: t for t in range(start, len(order)) for s in touched[order[t]]}
 
     @functools.cached_property
     def call_outputs(self) -> dict[int, list[tuple[int, int]]]:
@@ -327,6 +319,17 @@ class JointGraph:
             [u for j in held for u in self.users[j] if self.storage[u] != s]
             for s, held in enumerate(self.storage_nodes)
         ]
+
+    @functools.cached_property
+    def readers_by_side(self) -> list[tuple[int, bool, tuple[int, ...]]]:
+        """Per storage, of its `storage_readers`: how many are backward nodes, whether those
+        are all fusible, and the rest (forward nodes, which the backward may run again)."""
+        out = []
+        for readers in self.storage_readers:
+            backward = [u for u in readers if self.kind[u] == BWD]
+            fusible = not self.fusible or all(self.fusible[u] for u in backward)
+            out.append((len(backward), fusible, tuple(u for u in readers if self.kind[u] != BWD)))
+        return out
 
     @functools.cached_property
     def written_by_readers(self) -> list[int]:
@@ -411,6 +414,48 @@ class JointGraph:
         that stands before the gradients in the graph."""
         early, parts = self.early_gradients, self.tuple_parts
         return [u in early or u in parts or u < self.first_bwd for u in range(len(self.nodes))]
+
+    @functools.cached_property
+    def materialized_bytes(self) -> list[int]:
+        """Per storage, its bytes if a fusing compiler writes it out, else 0."""
+        return [b if m else 0 for b, m in zip(self.storage_bytes, self.materialized, strict=True)]
+
+    @functools.cached_property
+    def touched(self) -> list[tuple[int, ...]]:
+        """Per node, the storages it makes or reads, each once: its own first, then its
+        inputs' in order."""
+        out = []
+        for i, own in enumerate(self.storage):
+            sids = [own] if own >= 0 else []
+            for j in self.inputs[i]:
+                s = self.storage[j]
+                if s >= 0 and s not in sids:
+                    sids.append(s)
+            out.append(tuple(sids))
+        return out
+
+    @functools.cached_property
+    def input_storages(self) -> list[tuple[int, ...]]:
+        """Per node, the storages its inputs hold, each once, in order, less its own."""
+        return [tuple(s for s in sids if s != own) for sids, own in zip(self.touched, self.storage, strict=True)]
+
+    @functools.cached_property
+    def forward_candidates(self) -> list[int]:
+        """The forward's steps that run a value `computed_in_readers`."""
+        candidate = self.computed_in_readers
+        return [t for t, i in enumerate(self.forward_nodes) if candidate[i]]
+
+    @functools.cached_property
+    def in_place_answers(self) -> dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[bool, ...], bool]]]:
+        """Answers of `simulate._reads_in_place` so far, per (node, the buffer's maker): the
+        storages each asked whether they are stored, their answers, and its own."""
+        return {}
+
+    @functools.cached_property
+    def early_joiners(self) -> list[list[int]]:
+        """Per node, its readers that may join the backward early (`may_join_early`)."""
+        may_join = self.may_join_early
+        return [[u for u in users if may_join[u]] for users in self.users]
 
     @functools.cached_property
     def deferred(self) -> frozenset[int]:

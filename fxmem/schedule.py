@@ -30,11 +30,12 @@ class InfeasibleSave(Exception):
 
 def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[int]]:
     """Backward schedule and the forward nodes it recomputes."""
-    kind, users, inputs = jg.kind, jg.users, jg.inputs
+    kind, users, inputs, banned = jg.kind, jg.users, jg.inputs, jg.banned
     done = jg.there_before_backward.copy()
     for i in jg.forward_nodes:
         if saved[i]:
             done[i] = True
+    there = done.__getitem__  # `all(map(there, inputs[i]))`: whether i's inputs are all there
     # Forward nodes the backward will need (so will recompute, if they are not saved). Nodes
     # already there are never asked for: what they need is not either.
     needed = [k == BWD for k in kind]
@@ -48,24 +49,23 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     recomputed: list[int] = []
 
     def emit(i: int) -> None:
-        if jg.kind[i] == FWD:
-            if jg.banned[i]:
+        if kind[i] == FWD:
+            if banned[i]:
                 raise InfeasibleSave(i)
             recomputed.append(i)
         done[i] = True
         order.append(i)
 
-    early, parts, first_bwd, may_join = jg.early_gradients, jg.tuple_parts, jg.first_bwd, jg.may_join_early
+    early, parts, first_bwd, shrinking = jg.early_gradients, jg.tuple_parts, jg.first_bwd, jg.shrinking
+    joiners = jg.early_joiners
 
     def extra(u: int) -> bool:
-        """May run early, though nothing asked for it yet: see `bring`."""
-        if not may_join[u]:
-            return False
-        if u in early or (u in parts and needed[u] and not jg.banned[u]):
+        """May run early, though nothing asked for it yet (`u` may join early): see `bring`."""
+        if u in early or (u in parts and needed[u] and not banned[u]):
             return not done[u]  # an early gradient, or an output of an op just run
-        if not (u < first_bwd and needed[u] and not done[u] and not jg.banned[u]):
+        if not (u < first_bwd and needed[u] and not done[u] and not banned[u]):
             return False
-        return jg.kind[u] == BWD or u in jg.shrinking
+        return kind[u] == BWD or u in shrinking
 
     def bring(root: int) -> None:
         """Run `root` and whatever it needs that is not there, in graph order.
@@ -79,38 +79,43 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
         waits until asked for: groups of attention heads, or chunks of an MLP's rows, are
         recomputed one at a time, each beside its own gradient, not all at once.
         """
-        seen = {root}
-        if all(done[j] for j in inputs[root]):  # the common case: run it, then its joiners
+        if all(map(there, inputs[root])):  # the common case: run it, then its joiners
             emit(root)
-            ready = [u for u in users[root] if extra(u) and all(done[j] for j in inputs[u])]
+            if not joiners[root]:
+                return
+            ready = [u for u in joiners[root] if extra(u) and all(map(there, inputs[u]))]
             if not ready:
                 return
-            queued = {root, *ready}
+            seen, queued = {root}, {root, *ready}
         else:
-            todo = [root]
+            seen, todo = {root}, [root]
             while todo:
                 i = todo.pop()
                 for j in inputs[i]:
                     if not done[j] and j not in seen:
                         seen.add(j)
                         todo.append(j)
-            ready = [i for i in seen if all(done[j] for j in inputs[i])]
+            ready = [i for i in seen if all(map(there, inputs[i]))]
             queued = set(ready)
         heapq.heapify(ready)
         while ready:
             i = heapq.heappop(ready)
             emit(i)
             for u in users[i]:
-                if u not in queued and (u in seen or extra(u)) and all(done[j] for j in inputs[u]):
+                if u not in queued and (u in seen or (may_join[u] and extra(u))) and all(map(there, inputs[u])):
                     queued.add(u)
                     heapq.heappush(ready, u)
 
-    for i in jg.backward_roots:
-        if not done[i]:
-            bring(i)
-    for i in jg.bwd_outputs:
-        if not done[i]:
-            bring(i)
+    may_join = jg.may_join_early
+    for roots in (jg.backward_roots, jg.bwd_outputs):
+        for i in roots:
+            if done[i]:
+                continue
+            if joiners[i] or kind[i] == FWD or not all(map(there, inputs[i])):
+                bring(i)
+            else:  # `bring`'s common case, with nothing to join: run it
+                done[i] = True
+                order.append(i)
     return order, recomputed
 
 

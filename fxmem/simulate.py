@@ -21,11 +21,10 @@ GPT-with-dropout and ViT floors.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxmem.graph import BWD, JointGraph
+from fxmem.graph import JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.nodes import transient_bytes
 from fxmem.own_stack import stop_if_abandoned
@@ -78,7 +77,8 @@ def simulate(
     static = jg.primal_storages
     pinned_end = _pinned_to_end(jg)
     released = _let_go(jg, pinned_end)
-    saved_sids = {storage[i] for i in fwd_order if saved[i] and storage[i] >= 0} - static
+    saved_sids = {storage[i] for i in fwd_order if saved[i]} - static
+    saved_sids.discard(-1)
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
     # the backward is two allocations. The forward runs the same steps whatever is saved.
@@ -95,22 +95,36 @@ def simulate(
     cost = _costs(jg, held)
     costs = (cost, _costs(jg, kept_b) if released else cost)
     rset = set(recomputed)
-    kind, fusible = jg.kind, jg.fusible
+    fusible = jg.fusible
+
+    answers: dict[int, bool] = {}
 
     def inlined(i: int) -> bool:
         """A recomputed value a fusing compiler never writes out: it is not materialised,
         and the fusible ops that read it in the backward each compute it inside their own
         kernel (a value several kernels read is stored when it is costly: see
         buffers.stored_on_reuse)."""
+        answer = answers.get(i)
+        if answer is None:
+            answer = answers[i] = _inlined(i)
+        return answer
+
+    def _inlined(i: int) -> bool:
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
-        # Its readers and its views' (a view of a value computed inline is computed inline).
-        readers = [u for u in jg.storage_readers[storage[i]] if kind[u] == BWD or u in rset]
-        if any(not fusible[u] for u in readers):
+        # Its readers and its views' (a view of a value computed inline is computed inline):
+        # the backward's, and the forward's it computes again.
+        readers, all_fusible, forward_readers = jg.readers_by_side[storage[i]]
+        if not all_fusible:
             return False
-        return len(readers) <= 1 or not jg.stored_on_reuse[i]
+        for u in forward_readers:
+            if u in rset:
+                if not fusible[u]:
+                    return False
+                readers += 1
+        return readers <= 1 or not jg.stored_on_reuse[i]
 
     if jg.fusible:
         _extend_through_unstored(jg, order, boundary, last_f, last_b, costs, rset, inlined)
@@ -125,11 +139,19 @@ def simulate(
             t = end
         elif s in saved_sids:
             t = last_b.get(s, boundary - 1)
-        frees.setdefault(t, []).append(s)
+        if t in frees:
+            frees[t].append(s)
+        else:
+            frees[t] = [s]
     for s, t in last_b.items():
         if s in static or s in saved_sids or (s in pinned_end and s in last_f):
             continue
-        frees.setdefault(end if s in pinned_end else t, []).append(s)
+        if s in pinned_end:
+            t = end
+        if t in frees:
+            frees[t].append(s)
+        else:
+            frees[t] = [s]
 
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
@@ -138,12 +160,16 @@ def simulate(
     last_read_at: dict[int, dict[int, int]] = {}  # kernel end -> storage -> step of the last read
     kernel_end: list[int] = []
     if jg.fusible:
-        kernel_end = kernel_ends([jg.fusible[i] for i in order])
+        kernel_end = kernel_ends([fusible[i] for i in order])
         moved: dict[int, list[int]] = {}
         for t, sids in frees.items():
-            k = kernel_end[t] if t < len(order) else t
-            moved.setdefault(k, []).extend(sids)
-            last_read_at.setdefault(k, {}).update(dict.fromkeys(sids, t))
+            k = kernel_end[t] if t < end else t
+            if k in moved:
+                moved[k].extend(sids)
+                last_read_at[k].update(dict.fromkeys(sids, t))
+            else:
+                moved[k] = sids.copy()
+                last_read_at[k] = dict.fromkeys(sids, t)
         frees = moved
 
     alive: set[int] = set()
@@ -156,9 +182,14 @@ def simulate(
     recomputed_sids = {storage[i] for i in recomputed}
     recomputed_interval: dict[int, tuple[int, int]] = {}
     made_at = outputs_made_at(jg, order)
+    transient = jg.transient or [0] * len(storage)
+    phase_cost, phase_copies, backward = costs[0], copies[0], False
     for t, i in enumerate(order):
+        if t == boundary:
+            phase_cost, phase_copies, backward = costs[1], copies[1], True
         # A library call writes all its outputs while its inputs live (`outputs_made_at`).
-        for s in (*made_at.get(t, ()), storage[i]):
+        made = made_at.get(t)
+        for s in (*made, storage[i]) if made else (storage[i],):
             if s < 0 or s in static or s in alive:
                 continue
             alive.add(s)
@@ -167,45 +198,55 @@ def simulate(
             # Recomputed values are written out in full in the backward, unless a fusing
             # compiler can compute them inside the kernels that read them (see `inlined`); the
             # forward is the same whatever the backward computes again.
-            own = s == storage[i]
-            charged[s] = costs[t >= boundary][s] if own and (t < boundary or i not in rset or inlined(i)) else sbytes[s]
-            for r in frees.get(kernel_end[t], ()) if charged[s] and kernel_end and jg.fusible[i] else ():
-                if (
-                    r in alive
-                    and last_read_at[kernel_end[t]][r] <= t
-                    and charged[r] == charged[s]
-                    and _reads_in_place(jg, i, made_by[r], cost)
-                ):
-                    alive.discard(r)  # the new value is written over it
-                    if r in recomputed_sids and alloc_at[r] >= boundary:
-                        recomputed_interval[r] = (alloc_at[r], t)
-                    cur -= charged[r]
-                    if events is not None:  # gone before this step's snapshot: freed after the last one
-                        events.append((t - 1, r, -charged[r]))
-                    break
-            cur += charged[s]
+            if s != storage[i]:
+                c = sbytes[s]
+            elif not backward or i not in rset or inlined(i):
+                c = phase_cost[s]
+            else:
+                c = sbytes[s]
+            charged[s] = c
+            if c and kernel_end and fusible[i]:
+                k = kernel_end[t]
+                for r in frees.get(k, ()):
+                    if (
+                        r in alive
+                        and charged[r] == c
+                        and last_read_at[k][r] <= t
+                        and _reads_in_place(jg, i, made_by[r], cost)
+                    ):
+                        alive.discard(r)  # the new value is written over it
+                        if r in recomputed_sids and alloc_at[r] >= boundary:
+                            recomputed_interval[r] = (alloc_at[r], t)
+                        cur -= c
+                        if events is not None:  # gone before this step's snapshot: freed after the last one
+                            events.append((t - 1, r, -c))
+                        break
+            cur += c
             if events is not None:
-                events.append((t, s, charged[s]))
+                events.append((t, s, c))
         # inside the op: allocated, then freed
-        extra = (jg.transient[i] if jg.transient else 0) + copies[t >= boundary].get(i, 0)
+        extra = transient[i] + phase_copies.get(i, 0) if phase_copies else transient[i]
         if extra and events is not None:
             events.append((t, -2 - i, extra))
             events.append((t, -2 - i, -extra))
-        curve.append(cur + extra)
+        now = cur + extra
+        curve.append(now)
         if t == snapshot_at:
             snapshot = {s: charged[s] for s in alive}
-        if cur + extra > peak:
-            peak, peak_pos = cur + extra, t
+        if now > peak:
+            peak, peak_pos = now, t
             if above is not None and peak > above:
                 return None
-        for s in frees.get(t, ()):
-            if s in alive:
-                alive.discard(s)
-                cur -= charged[s]
-                if s in recomputed_sids and charged[s] and alloc_at[s] >= boundary:
-                    recomputed_interval[s] = (alloc_at[s], t)
-                if events is not None:
-                    events.append((t, s, -charged[s]))
+        gone = frees.get(t)
+        if gone:
+            for s in gone:
+                if s in alive:
+                    alive.discard(s)
+                    cur -= charged[s]
+                    if s in recomputed_sids and charged[s] and alloc_at[s] >= boundary:
+                        recomputed_interval[s] = (alloc_at[s], t)
+                    if events is not None:
+                        events.append((t, s, -charged[s]))
 
     saved_interval = {}
     for s in saved_sids:
@@ -232,7 +273,11 @@ def simulate(
 def _costs(jg: JointGraph, held: set[int]) -> list[int]:
     """Per storage, its bytes while alive: nothing if a fusing compiler never writes it out
     and the plan does not hold it (`held`: saved, returned)."""
-    return [b if (jg.materialized[s] or s in held) else 0 for s, b in enumerate(jg.storage_bytes)]
+    out = jg.materialized_bytes.copy()
+    sbytes = jg.storage_bytes
+    for s in held:
+        out[s] = sbytes[s]
+    return out
 
 
 def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
@@ -287,20 +332,22 @@ def _extend_through_unstored(
     the batch, concatenated per head); and for a matmul folded into its reader's addmm, which
     runs where that add is (a tied LM head's weight gradient, added to the embedding's at the
     end of the backward, holds the logits' gradient and the head's input until then)."""
-    storage, inputs, candidate = jg.storage, jg.inputs, jg.computed_in_readers
-    steps = [t for t, i in enumerate(order) if candidate[i]]
-    split = bisect.bisect_left(steps, boundary)
-    # The backward's steps, then the forward's: each phase has its own last reads.
-    for ts, cost, last, backward in ((steps[split:], costs[1], last_b, True), (steps[:split], costs[0], last_f, False)):
+    storage, reads, candidate = jg.storage, jg.input_storages, jg.computed_in_readers
+    # The backward's steps, then the forward's: each phase has its own last reads. The
+    # forward's steps are the same whatever is saved.
+    steps_b = [t for t in range(boundary, len(order)) if candidate[order[t]]]
+    for ts, cost, last, backward in (
+        (steps_b, costs[1], last_b, True),
+        (jg.forward_candidates, costs[0], last_f, False),
+    ):
         for t in reversed(ts):
             i = order[t]
             s = storage[i]
             if cost[s] or (backward and i in rset and not inlined(i)):
                 continue
             until = last.get(s, t)
-            for j in inputs[i]:
-                sj = storage[j]
-                if sj >= 0 and sj != s and last.get(sj, -1) < until:
+            for sj in reads[i]:
+                if last.get(sj, -1) < until:
                     last[sj] = until
 
 
@@ -311,7 +358,28 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     strides, or be a reshape of it that no reduction reads (an mm's (B*T, 4C) output read as
     (B, T, 4C) by GELU's backward is overwritten; a bmm's (B*H, T, T) output read as
     (B, H, T, T) by a softmax is not), and read it through views that keep its layout (not a
-    transpose). Never a buffer a scatter filled or a concatenation's (`NEVER_WRITTEN_OVER`)."""
+    transpose). Never a buffer a scatter filled or a concatenation's (`NEVER_WRITTEN_OVER`).
+
+    The answer depends on the plan only through which storages are stored (`cost`): each
+    answer is kept with the storages it asked about (`JointGraph.in_place_answers`), and
+    holds again wherever those are stored alike."""
+    known = jg.in_place_answers.setdefault((i, maker), [])
+    for sids, unstored, answer in known:
+        if all((not cost[s]) == u for s, u in zip(sids, unstored, strict=True)):
+            return answer
+    asked: dict[int, bool] = {}
+
+    def is_unstored(s: int) -> bool:
+        if s not in asked:
+            asked[s] = not cost[s]
+        return asked[s]
+
+    answer = _reads_in_place_asking(jg, i, maker, is_unstored)
+    known.append((tuple(asked), tuple(asked.values()), answer))
+    return answer
+
+
+def _reads_in_place_asking(jg: JointGraph, i: int, maker: int, is_unstored: Callable[[int], bool]) -> bool:
     layouts = jg.layouts
     want, made = layouts[i], layouts[maker]
     if want is None or made is None:
@@ -321,22 +389,22 @@ def _reads_in_place(jg: JointGraph, i: int, maker: int, cost: list[int]) -> bool
     r = jg.storage[maker]
     if want != made:
         # one a reshape of the other: as many elements, both dense and row-major
-        if jg.dense_numel[i] < 0 or jg.dense_numel[i] != jg.dense_numel[maker] or _reduced(jg, r, cost):
+        if jg.dense_numel[i] < 0 or jg.dense_numel[i] != jg.dense_numel[maker] or _reduced(jg, r, is_unstored):
             return False
 
     def through(j: int) -> list[int]:  # values i's kernel computes inline: their inputs too
         sj = jg.storage[j]
-        return jg.inputs[j] if sj != r and sj >= 0 and not cost[sj] and jg.inlinable[j] else []
+        return jg.inputs[j] if sj != r and sj >= 0 and jg.inlinable[j] and is_unstored(sj) else []
 
     return any(jg.storage[j] == r and layouts[j] == want for j in reach(jg.inputs[i], through))
 
 
-def _reduced(jg: JointGraph, r: int, cost: list[int]) -> bool:
+def _reduced(jg: JointGraph, r: int, is_unstored: Callable[[int], bool]) -> bool:
     """Whether a reduction reads storage `r`, directly or through values computed inline."""
 
     def onward(u: int) -> list[int]:  # views of r, and values computed inline from it
         su = jg.storage[u]
-        return jg.users[u] if su == r or (su >= 0 and not cost[su] and jg.inlinable[u]) else []
+        return jg.users[u] if su == r or (su >= 0 and jg.inlinable[u] and is_unstored(su)) else []
 
     readers = [u for j in jg.storage_nodes[r] for u in jg.users[j]]
     return any(jg.fusible[u] and not jg.inlinable[u] and jg.storage[u] != r for u in reach(readers, onward))

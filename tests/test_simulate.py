@@ -617,6 +617,7 @@ def _in_place_case(f, *args):
         inlinable=[is_inlinable(n) for n in nodes],
         layouts=[value_layout(n) for n in nodes],
         dense_numel=[dense_numel(n) for n in nodes],
+        in_place_answers={},
     )
     return jg, named, [1] * len(nodes)
 
@@ -644,6 +645,24 @@ def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index(
 
     jg, named, cost = _in_place_case(g, torch.randn(8, 8))
     assert not _reads_in_place(jg, named["mul"], named["exp"], cost)
+
+
+def test_a_kept_in_place_answer_holds_only_where_the_same_values_are_stored():
+    """Whether a kernel reads a buffer at the index it writes depends on which values between
+    them are stored: `_reads_in_place` answers again when the plan stores another set of them,
+    and reuses its answer when the set it asked about is stored alike."""
+
+    def f(x):
+        e = x.exp()
+        return e.neg() * 2.0
+
+    jg, named, cost = _in_place_case(f, torch.randn(8, 8))
+    mul, exp, neg = named["mul"], named["exp"], named["neg"]
+    inline = [0 if i == neg else c for i, c in enumerate(cost)]  # neg computed in mul's kernel
+    assert _reads_in_place(jg, mul, exp, inline)
+    assert not _reads_in_place(jg, mul, exp, cost)  # neg stored: mul reads neg's buffer, not exp's
+    assert _reads_in_place(jg, mul, exp, inline)
+    assert len(jg.in_place_answers[(mul, exp)]) == 2
 
 
 def test_no_kernel_writes_over_a_buffer_a_scatter_filled():
