@@ -109,13 +109,8 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
     may_join = jg.may_join_early
     for roots in (jg.backward_roots, jg.bwd_outputs):
         for i in roots:
-            if done[i]:
-                continue
-            if joiners[i] or kind[i] == FWD or not all(map(there, inputs[i])):
+            if not done[i]:
                 bring(i)
-            else:  # `bring`'s common case, with nothing to join: run it
-                done[i] = True
-                order.append(i)
     return order, recomputed
 
 

@@ -97,19 +97,11 @@ def simulate(
     rset = set(recomputed)
     fusible = jg.fusible
 
-    answers: dict[int, bool] = {}
-
     def inlined(i: int) -> bool:
         """A recomputed value a fusing compiler never writes out: it is not materialised,
         and the fusible ops that read it in the backward each compute it inside their own
         kernel (a value several kernels read is stored when it is costly: see
         buffers.stored_on_reuse)."""
-        answer = answers.get(i)
-        if answer is None:
-            answer = answers[i] = _inlined(i)
-        return answer
-
-    def _inlined(i: int) -> bool:
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
         if i in jg.copied_per_reader:
@@ -139,19 +131,11 @@ def simulate(
             t = end
         elif s in saved_sids:
             t = last_b.get(s, boundary - 1)
-        if t in frees:
-            frees[t].append(s)
-        else:
-            frees[t] = [s]
+        frees.setdefault(t, []).append(s)
     for s, t in last_b.items():
         if s in static or s in saved_sids or (s in pinned_end and s in last_f):
             continue
-        if s in pinned_end:
-            t = end
-        if t in frees:
-            frees[t].append(s)
-        else:
-            frees[t] = [s]
+        frees.setdefault(end if s in pinned_end else t, []).append(s)
 
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
@@ -164,12 +148,8 @@ def simulate(
         moved: dict[int, list[int]] = {}
         for t, sids in frees.items():
             k = kernel_end[t] if t < end else t
-            if k in moved:
-                moved[k].extend(sids)
-                last_read_at[k].update(dict.fromkeys(sids, t))
-            else:
-                moved[k] = sids.copy()
-                last_read_at[k] = dict.fromkeys(sids, t)
+            moved.setdefault(k, []).extend(sids)
+            last_read_at.setdefault(k, {}).update(dict.fromkeys(sids, t))
         frees = moved
 
     alive: set[int] = set()
@@ -237,16 +217,14 @@ def simulate(
             peak, peak_pos = now, t
             if above is not None and peak > above:
                 return None
-        gone = frees.get(t)
-        if gone:
-            for s in gone:
-                if s in alive:
-                    alive.discard(s)
-                    cur -= charged[s]
-                    if s in recomputed_sids and charged[s] and alloc_at[s] >= boundary:
-                        recomputed_interval[s] = (alloc_at[s], t)
-                    if events is not None:
-                        events.append((t, s, -charged[s]))
+        for s in frees.get(t, ()):
+            if s in alive:
+                alive.discard(s)
+                cur -= charged[s]
+                if s in recomputed_sids and charged[s] and alloc_at[s] >= boundary:
+                    recomputed_interval[s] = (alloc_at[s], t)
+                if events is not None:
+                    events.append((t, s, -charged[s]))
 
     saved_interval = {}
     for s in saved_sids:
