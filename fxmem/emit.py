@@ -35,8 +35,8 @@ def emit_graphs(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.Gr
             saved_values.append(node)
         elif jg.kind[i] == FWD and jg.is_sym[i]:
             saved_syms.append(node)
-        elif jg.kind[i] == FWD and choice.saved[i]:
-            saved_values.append(_viewed(jg, node))
+        elif jg.kind[i] == FWD and (choice.saved[i] or jg.there_before_backward[i]):
+            saved_values.append(_viewed(jg, node))  # saved, or a value the step returns
     saved_values = list(dict.fromkeys(saved_values))
     if layout_opt:
         forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k in (PRIMAL, FWD)]

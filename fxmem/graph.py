@@ -231,8 +231,13 @@ class JointGraph:
     @functools.cached_property
     def there_before_backward(self) -> list[bool]:
         """Per node, whether the backward has it whatever is saved: inputs, gradients of the
-        outputs, and symbolic sizes the forward computes."""
-        return [k in (PRIMAL, TANGENT) or (k == FWD and self.is_sym[i]) for i, k in enumerate(self.kind)]
+        outputs, symbolic sizes the forward computes, and forward values whose storage the step
+        keeps to its end anyway (what it returns: read, never computed a second time)."""
+        kept = self.kept_to_end
+        return [
+            k in (PRIMAL, TANGENT) or (k == FWD and (self.is_sym[i] or self.storage[i] in kept))
+            for i, k in enumerate(self.kind)
+        ]
 
     @functools.cached_property
     def primal_storages(self) -> frozenset[int]:
@@ -295,6 +300,26 @@ class JointGraph:
     def tuple_parts(self) -> frozenset[int]:
         """The nodes that take one output of a multi-output op (`getitem`)."""
         return frozenset(i for i, n in enumerate(self.nodes) if n.target is operator.getitem)
+
+    @functools.cached_property
+    def kept_to_end(self) -> frozenset[int]:
+        """Storages alive to the step's end whatever is saved: what it returns (unless the
+        caller lets it go before the backward) and the gradients."""
+        outputs = [i for i in self.fwd_outputs if i not in self.released_outputs] + self.bwd_outputs
+        return frozenset(self.storage[i] for i in outputs if self.storage[i] >= 0)
+
+    @functools.cached_property
+    def read_not_recomputed(self) -> frozenset[int]:
+        """Storages a plan reads rather than computes again: those kept to the end, and the
+        other outputs of a library call that makes one of them (computing the call again would
+        write a second copy of the kept one: a LayerNorm's mean and inverse deviation, beside
+        the normalised features the step returns)."""
+        kept = self.kept_to_end
+        out = set(kept)
+        for parts in self.call_outputs.values():
+            if any(s in kept for _, s in parts):
+                out.update(s for _, s in parts)
+        return frozenset(out)
 
     @functools.cached_property
     def storage_maker(self) -> list[int]:

@@ -383,6 +383,8 @@ def _make_plan(
                 cost_s = jg.cost_s[jg.index[op]]
         elif jg.banned[i]:
             action, reason = "save", "must run once (random or side effect)"
+        elif jg.storage[i] in jg.kept_to_end:
+            action, reason = "save", "returned by the step: alive through the backward anyway"
         else:
             action, reason = "save", "read by backward; fits the budget"
         decisions.append(

@@ -75,7 +75,7 @@ def simulate(
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = jg.primal_storages
-    pinned_end = _pinned_to_end(jg)
+    pinned_end = jg.kept_to_end
     released = _let_go(jg, pinned_end)
     saved_sids = {storage[i] for i in fwd_order if saved[i]} - static
     saved_sids.discard(-1)
@@ -272,21 +272,14 @@ def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
     return out
 
 
-def _pinned_to_end(jg: JointGraph) -> set[int]:
-    """Storages alive to the step's end: what it returns (unless the caller lets it go before
-    the backward) and the gradients."""
-    outputs = [i for i in jg.fwd_outputs if i not in jg.released_outputs] + jg.bwd_outputs
-    return {jg.storage[i] for i in outputs if jg.storage[i] >= 0}
-
-
 def let_go(jg: JointGraph) -> set[int]:
     """Storages of what the step returns that the caller lets go before the backward
     (`keep_outputs=False`): alive to the forward's end, or as long as the backward reads them
     when saved; not those of parameters or inputs, nor those another output keeps."""
-    return _let_go(jg, _pinned_to_end(jg))
+    return _let_go(jg, jg.kept_to_end)
 
 
-def _let_go(jg: JointGraph, pinned_end: set[int]) -> set[int]:
+def _let_go(jg: JointGraph, pinned_end: frozenset[int]) -> set[int]:
     released = {jg.storage[i] for i in jg.released_outputs if jg.storage[i] >= 0}
     return released - pinned_end - jg.primal_storages
 

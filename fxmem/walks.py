@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxmem.graph import FWD, PRIMAL, TANGENT, JointGraph
+from fxmem.graph import FWD, JointGraph
 from fxmem.schedule import InfeasibleSave
 from fxmem.simulate import Timeline, simulate
 
@@ -92,6 +92,7 @@ def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> 
     members = saved_members(jg, saved, tl)
     recomputed = set(tl.recomputed)
     saved_sids = set(tl.saved_interval)
+    there, fixed = jg.there_before_backward, jg.read_not_recomputed
     moves = []
     for sid in alive:
         group = members.get(sid, [])
@@ -100,9 +101,7 @@ def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> 
         in_group = set(group)
 
         def available(j: int, in_group: set[int] = in_group) -> bool:
-            return (
-                jg.kind[j] in (PRIMAL, TANGENT) or jg.is_sym[j] or (saved[j] and j not in in_group) or j in recomputed
-            )
+            return there[j] or (saved[j] and j not in in_group) or j in recomputed
 
         # Variant 1: recompute the chain back to whatever is available.
         cost, extra, seen, todo = 0.0, set(), set(group), list(group)
@@ -113,7 +112,7 @@ def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> 
                 if j in seen or available(j):
                     continue
                 seen.add(j)
-                if jg.banned[j]:
+                if jg.banned[j] or jg.storage[j] in fixed:
                     extra.add(j)
                 else:
                     todo.append(j)
@@ -136,10 +135,13 @@ def at_peak(tl: Timeline, intervals: dict[int, tuple[int, int]]) -> list[int]:
 
 
 def saved_members(jg: JointGraph, saved: list[bool], tl: Timeline) -> dict[int, list[int]]:
-    """Per storage `tl` saves, the forward nodes of it that `saved` saves."""
+    """Per storage `tl` saves, the forward nodes of it that `saved` saves: the values a move may
+    recompute instead. Not those the backward reads rather than recomputes
+    (`JointGraph.read_not_recomputed`: an output the caller keeps costs nothing to save)."""
     members: dict[int, list[int]] = {}
+    fixed = jg.read_not_recomputed
     for i, k in enumerate(jg.kind):
-        if k == FWD and saved[i] and jg.storage[i] in tl.saved_interval:
+        if k == FWD and saved[i] and jg.storage[i] in tl.saved_interval and jg.storage[i] not in fixed:
             members.setdefault(jg.storage[i], []).append(i)
     return members
 

@@ -240,3 +240,55 @@ def test_a_loss_computed_outside_the_step_on_a_large_output_warns():
     zero_grads(model)
     got, warned = _warned(fxmem.LossOutsideWarning, outside, m, idx, targets)
     assert got.peak_bytes <= 4 * budget and not warned
+
+
+class _ReturnsItsFeatures(nn.Module):
+    """A head over normalised features that it returns beside the loss (a model handing its
+    hidden states to the caller): the head's weight gradient reads them in the backward."""
+
+    def __init__(self, vocab: int = 512, d: int = 64, layers: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        features = self.norm(x)
+        loss = F.cross_entropy(self.head(features).flatten(0, 1), targets.flatten())
+        return loss, features
+
+
+def test_a_kept_output_the_backward_reads_is_saved_not_recomputed():
+    """The features the step returns stay alive through the backward whatever the plan saves:
+    saving them for the head's gradient costs nothing, and recomputing them would make a second
+    copy. At the floor the plan reads the kept ones, and the step measures what it predicts."""
+    torch.manual_seed(0)
+    model = _ReturnsItsFeatures()
+    idx = torch.randint(0, 512, (8, 256))
+    batch = (idx, torch.roll(idx, -1, dims=1))
+    _keeping_the_loss(model, *batch)
+    ref = grads_of(model)
+    zero_grads(model)
+    with pytest.raises(fxmem.BudgetError) as e:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, compiler="eager")
+    budget = e.value.floor_bytes
+    del e
+    m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler="eager")
+    _holding_the_output(m, *batch)
+    zero_grads(model)
+    assert not [d.name for d in m.plan.recomputed if d.module == "norm"], m.plan.summary()
+    returned = [d.nbytes for d in m.plan.saved if d.reason.startswith("returned by the step")]
+    assert returned == [8 * 256 * 64 * 4], m.plan.summary()  # the features, read by the head's gradient
+    got = fxmem.measure(_holding_the_output, m, *batch)
+    assert got.peak_bytes <= budget, (got.peak_bytes / MiB, budget / MiB)
+    assert abs(got.peak_bytes - m.plan.predicted_peak_bytes) <= 0.005 * got.peak_bytes, (
+        got.peak_bytes / MiB,
+        m.plan.predicted_peak_bytes / MiB,
+    )
+    assert max_rel_err(grads_of(model), ref) < 1e-5
