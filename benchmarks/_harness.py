@@ -122,14 +122,24 @@ def train_step(module: Callable, batch: Batch) -> torch.Tensor:
     return loss.detach()
 
 
-def eager_at(model: nn.Module, batch: Batch, state: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Eager's measured step (after a warm-up step) and its gradients. `state` (the model's
+def holding_step(module: Callable, batch: Batch) -> torch.Tensor:
+    """As `train_step`, but what the model returns (logits, caches) is held until the
+    backward has run: the step a plan with `keep_outputs=True` is made for."""
+    out = call_model(module, batch)
+    _loss(out).backward()
+    return _loss(out).detach()
+
+
+def eager_at(
+    model: nn.Module, batch: Batch, state: dict[str, torch.Tensor], step: Callable = train_step
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Eager's measured `step` (after a warm-up step) and its gradients. `state` (the model's
     state dict: batch norm's running statistics) is put back before each step; the model is
     left without gradients, in that state."""
-    train_step(model, batch)
+    step(model, batch)
     zero_grads(model)
     model.load_state_dict(state)
-    measured = fxmem.measure(train_step, model, batch)
+    measured = fxmem.measure(step, model, batch)
     grads = grads_of(model)
     zero_grads(model)
     model.load_state_dict(state)
@@ -155,19 +165,20 @@ def fxmem_at(
     compiler: str,
     ref: dict[str, torch.Tensor],
     keep_outputs: bool = KEEP_OUTPUTS,
+    step: Callable = train_step,
 ) -> tuple[nn.Module, float, float, Any]:
-    """`fxmem.optimize` at `budget_bytes`: the module, the first step's seconds (planning and
+    """`fxmem.optimize` at `budget_bytes`: the module, the first `step`'s seconds (planning and
     compiling; a refused budget raises its BudgetError), that step's gradients' error against
     `ref` (`overall_rel_err`), and one measured step (no copy of the gradients alive in it).
     `state` is put back before each step, as in `eager_at`."""
     module = fxmem.optimize(model, (budget_bytes + 0.5) / 2**30, compiler=compiler, keep_outputs=keep_outputs)
     t0 = time.perf_counter()
-    train_step(module, batch)
+    step(module, batch)
     first_s = time.perf_counter() - t0
     grad_err = overall_rel_err(grads_of(model), ref)
     zero_grads(model)
     model.load_state_dict(state)
-    measured = fxmem.measure(train_step, module, batch)
+    measured = fxmem.measure(step, module, batch)
     zero_grads(model)
     model.load_state_dict(state)
     return module, first_s, grad_err, measured

@@ -1,7 +1,7 @@
 """Hugging Face architectures, built from small configs, through `fxmem.optimize` as users call it.
 
     python benchmarks/hf_zoo.py [--models gpt2,llama,...] [--compiler eager|inductor]
-        [--budget 0.5|floor] [--keep-outputs true|false]
+        [--budget 0.5|floor] [--keep-outputs true|false] [--hold-outputs]
 
 Each model is built with transformers' defaults (its default attention implementation, its
 own loss from `labels`), dropout off so that eager and fxmem compute the same thing, and one
@@ -12,7 +12,9 @@ fraction is reported as such: the floor is above it), the gradients' relative er
 eager's (all parameters together) and, under inductor, plain `torch.compile`'s beside it, the
 passes that fired, and the first call's seconds (planning and compilation). The step keeps
 only the loss; fxmem plans with `keep_outputs` as given (default true, as `fxmem.optimize`:
-the returned logits counted through the backward). Language models train on 8 x 512 tokens of a 512-word vocabulary,
+the returned logits counted through the backward). With `--hold-outputs` the measured steps,
+eager's and fxmem's, hold what the model returns until the backward has run: the step a
+`keep_outputs=True` plan is made for, which it measures at its prediction. Language models train on 8 x 512 tokens of a 512-word vocabulary,
 vision models on 32 images of 128 px. Needs transformers. Exit status 1 when a budget that was
 accepted did not hold, gradients differ by more than 1e-4 (under inductor: and by more than
 ten times plain torch.compile's own difference, as batch norm's ill-conditioned gradients do),
@@ -32,7 +34,15 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fxmem  # noqa: E402
-from benchmarks._harness import compiled_err, eager_at, floor_of, free_memory, fxmem_at  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    compiled_err,
+    eager_at,
+    floor_of,
+    free_memory,
+    fxmem_at,
+    holding_step,
+    train_step,
+)
 from benchmarks._records import MiB, machine_line  # noqa: E402
 
 __all__ = ["main"]
@@ -233,7 +243,7 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
     }
 
 
-def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bool = True) -> dict:
+def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bool = True, hold: bool = False) -> dict:
     """One model; its buffers (batch norm's statistics) are put back before every step. What
     an earlier model left to the cycle collector is collected first, so that no measurement
     counts it."""
@@ -242,7 +252,8 @@ def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bo
     model, batch = build()
     model.train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    eager, ref = eager_at(model, batch, state)
+    step = holding_step if hold else train_step
+    eager, ref = eager_at(model, batch, state, step)
     row: dict[str, Any] = {"model": name, "eager": eager.peak_bytes}
     row["compiled_err"] = compiled_err(model, batch, state, ref) if compiler == "inductor" else None
     if budget == "floor":
@@ -254,7 +265,7 @@ def run(name: str, build: Callable, compiler: str, budget: str, keep_outputs: bo
         budget_bytes = int(float(budget) * eager.peak_bytes)
     row["budget"] = budget_bytes
     try:
-        module, first_s, grad_err, got = fxmem_at(model, batch, state, budget_bytes, compiler, ref, keep_outputs)
+        module, first_s, grad_err, got = fxmem_at(model, batch, state, budget_bytes, compiler, ref, keep_outputs, step)
     except fxmem.BudgetError as e:
         return {**row, "refused": e.floor_bytes}
     plan = module.plan
@@ -303,7 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=["true", "false"],
         help="fxmem.optimize's keep_outputs (false: plan for this step, which keeps only the loss)",
     )
+    ap.add_argument(
+        "--hold-outputs",
+        action="store_true",
+        help="measure steps that hold what the model returns through the backward (needs --keep-outputs true)",
+    )
     args = ap.parse_args(argv)
+    if args.hold_outputs and args.keep_outputs == "false":
+        ap.error("--hold-outputs measures the step keep_outputs=True plans for; drop --keep-outputs false")
     if args.budget != "floor":
         try:
             if not 0 < float(args.budget) <= 1:
@@ -317,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model(s) {unknown}; available: {sorted(models)}")
     keep = args.keep_outputs == "true"
     print(
-        f"# HF architectures, compiler={args.compiler}, budget {args.budget}, keep_outputs={keep}\n\n"
+        f"# HF architectures, compiler={args.compiler}, budget {args.budget}, keep_outputs={keep}"
+        f"{', outputs held through the backward' if args.hold_outputs else ''}\n\n"
         f"{machine_line('cpu')}\n"
     )
     print(
@@ -328,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name in names:
         try:
-            r = run(name, models[name], args.compiler, args.budget, keep)
+            r = run(name, models[name], args.compiler, args.budget, keep, args.hold_outputs)
         except Exception as e:  # noqa: BLE001 -- a model that fails is a row of the table
             r = {"model": name, "eager": 0, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(_line(r), flush=True)

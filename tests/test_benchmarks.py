@@ -280,7 +280,8 @@ def test_hf_zoo_holds_a_model_at_its_floor(capsys):
 
     floors = {}
     for keep in ("true", "false"):
-        assert hf_zoo.main(["--models", "llama", "--budget", "floor", "--keep-outputs", keep]) == 0
+        hold = ["--hold-outputs"] if keep == "true" else []  # the step each plan is made for
+        assert hf_zoo.main(["--models", "llama", "--budget", "floor", "--keep-outputs", keep, *hold]) == 0
         row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama |"))
         cells = [c.strip() for c in row.strip("|").split("|")]
         budget, measured, predicted = float(cells[2]), float(cells[3]), float(cells[4])
@@ -290,6 +291,13 @@ def test_hf_zoo_holds_a_model_at_its_floor(capsys):
     # 8 MiB of logits) and the step measures what the plan predicts.
     assert floors["false"][0] < floors["true"][0] - 4, floors
     assert abs(floors["false"][1] - floors["false"][2]) <= 0.01 * floors["false"][1], floors
-    for bad in (["--budget", "2"], ["--models", "llama9000"], ["--keep-outputs", "maybe"]):
+    assert floors["true"][1] <= floors["true"][2] * 1.005, floors  # outputs held: no more than predicted
+    bad_args = (
+        ["--budget", "2"],
+        ["--models", "llama9000"],
+        ["--keep-outputs", "maybe"],
+        ["--hold-outputs", "--keep-outputs", "false"],
+    )
+    for bad in bad_args:
         with pytest.raises(SystemExit):
             hf_zoo.main(bad)
