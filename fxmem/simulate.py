@@ -163,6 +163,7 @@ def simulate(
     recomputed_interval: dict[int, tuple[int, int]] = {}
     made_at = outputs_made_at(jg, order)
     transient = jg.transient or [0] * len(storage)
+    rewritten = _rewritten(jg, rset) if rset and jg.call_outputs else {}
     phase_cost, phase_copies, backward = costs[0], copies[0], False
     for t, i in enumerate(order):
         if t == boundary:
@@ -206,6 +207,8 @@ def simulate(
                 events.append((t, s, c))
         # inside the op: allocated, then freed
         extra = transient[i] + phase_copies.get(i, 0) if phase_copies else transient[i]
+        if backward and rewritten:
+            extra += rewritten.get(i, 0)
         if extra and events is not None:
             events.append((t, -2 - i, extra))
             events.append((t, -2 - i, -extra))
@@ -255,6 +258,20 @@ def _costs(jg: JointGraph, held: set[int]) -> list[int]:
     sbytes = jg.storage_bytes
     for s in held:
         out[s] = sbytes[s]
+    return out
+
+
+def _rewritten(jg: JointGraph, rset: set[int]) -> dict[int, int]:
+    """Per multi-output library call the backward computes again, the bytes of the outputs it
+    writes that the backward does not compute again there (saved, or not read): each is a new
+    buffer while the call runs (an attention recomputed for its output writes its log-sum-exp
+    again beside the saved one)."""
+    out: dict[int, int] = {}
+    for i, parts in jg.call_outputs.items():
+        if i in rset:
+            nbytes = sum(jg.storage_bytes[s] for u, s in parts if u not in rset)
+            if nbytes:
+                out[i] = nbytes
     return out
 
 

@@ -1101,6 +1101,28 @@ def test_a_recomputed_attention_is_named_and_costed_in_the_plan():
     assert len([d for d in attention if d.cost_s > 0]) == 2
 
 
+def test_an_attention_computed_again_for_one_output_writes_the_other_again(monkeypatch):
+    """Attention returns its output and its log-sum-exp in new buffers each time it runs: run
+    again in the backward for the log-sum-exp alone, it writes a second copy of the saved output
+    too, alive while the call runs, which the simulation charges at that step."""
+    seen = _capture_emits(monkeypatch)
+    torch.manual_seed(0)
+    model, batch = _vit_small()
+    step(fxmem.optimize(model, 1.0, compiler="eager", example_inputs=batch), *batch)
+    jg = seen[-1][0]
+    call, parts = next((i, p) for i, p in jg.call_outputs.items() if "scaled_dot_product" in str(jg.nodes[i].target))
+    (out, out_sid), (lse, _) = parts
+    saved = [False] * len(jg.nodes)
+    for i in jg.boundary():
+        saved[i] = True
+    saved[out], saved[lse] = True, False
+    tl = simulate(jg, saved, record_events=True)
+    assert call in tl.recomputed and out not in tl.recomputed
+    t = tl.order.index(call, tl.boundary)
+    inside = [b for when, key, b in tl.events if when == t and key == -2 - call and b > 0]
+    assert inside == [jg.transient[call] + jg.storage_bytes[out_sid]], (inside, jg.transient[call])
+
+
 def _trials(monkeypatch, jg):
     """The walks' trials on `jg`, each as (saved set, the peak it was to stay under, whether it
     did)."""
