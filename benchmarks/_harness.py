@@ -126,8 +126,9 @@ def holding_step(module: Callable, batch: Batch) -> torch.Tensor:
     """As `train_step`, but what the model returns (logits, caches) is held until the
     backward has run: the step a plan with `keep_outputs=True` is made for."""
     out = call_model(module, batch)
-    _loss(out).backward()
-    return _loss(out).detach()
+    loss = _loss(out)
+    loss.backward()
+    return loss.detach()
 
 
 def eager_at(

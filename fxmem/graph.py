@@ -1,9 +1,9 @@
 """What the planner needs to know about AOTAutograd's joint forward+backward graph.
 
 `JointGraph.build` reads the joint graph once into flat arrays indexed by node position:
-which side each node is on, which storage its value lives in (views alias their base: two
+which side each node is on (`sides`), which storage its value lives in (views alias their base: two
 nodes whose fake values share a storage share one entry), how many bytes each storage holds,
-whether a node may be run a second time, and what running it again costs; with a fusing
+whether a node may be run a second time (`sides.run_once`), and what running it again costs; with a fusing
 compiler, also how it runs each node (`kernels`). The simulator and the solvers work on these
 arrays only, so planning never touches fx objects in its loops.
 """
@@ -19,13 +19,12 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem import buffers, kernels
 from fxmem.cost import CostModel
-from fxmem.nodes import _is_impure, _is_random, transient_bytes
+from fxmem.nodes import transient_bytes
 from fxmem.probe import workspace_bytes
-from fxmem.storages import node_storages, written_storages
+from fxmem.sides import BWD, FWD, PRIMAL, TANGENT, run_once, sides
+from fxmem.storages import node_storages
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
-
-PRIMAL, TANGENT, FWD, BWD = 0, 1, 2, 3
 
 
 @dataclass
@@ -91,68 +90,18 @@ class JointGraph:
             for j in dict.fromkeys(ins):
                 users[j].append(i)
 
-        # Side: tangent closure (and what must run in backward) is BWD; ancestors of forward
-        # outputs are FWD; whatever is left (derived from primals, read only by backward)
-        # runs in backward, once, where it is needed.
-        kind = [BWD] * len(nodes)
-        for i, n in enumerate(nodes):
-            if n.op == "placeholder":
-                kind[i] = TANGENT if tp.is_tangent(n) else PRIMAL
-        in_bwd = [k == TANGENT for k in kind]
-        for i, n in enumerate(nodes):
-            if in_bwd[i] or tp.must_be_in_backward(n):
-                in_bwd[i] = True
-                for u in users[i]:
-                    in_bwd[u] = True
-        stack = [o for o in fwd_outputs if not in_bwd[o]]
-        fwd = [False] * len(nodes)
-        while stack:
-            i = stack.pop()
-            if fwd[i] or kind[i] in (PRIMAL, TANGENT):
-                continue
-            fwd[i] = True
-            stack.extend(inputs[i])
-        for i, n in enumerate(nodes):
-            # Every output of a forward op belongs to the forward, used there or not: a
-            # tuple is never a value the backward can be handed.
-            if n.target is operator.getitem and not in_bwd[i] and fwd[index[n.args[0]]]:
-                fwd[i] = True
-            if fwd[i]:
-                kind[i] = FWD
+        kind = sides(nodes, index, inputs, users, fwd_outputs)
 
         is_sym = [tp.is_sym_node(n) for n in nodes]
         storage, storage_bytes = node_storages(nodes, storage_remap)
 
-        descs = out_node.meta.get("desc") or []
-        written = written_storages(nodes, storage, descs)
-        banned = []
-        for n in nodes:
-            ban = _is_random(n) or _is_impure(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
-            if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node):
-                ban = ban or _is_random(n.args[0]) or _is_impure(n.args[0])
-            banned.append(ban)
-
-        # Ops whose outputs become in-place updates of the caller's tensors (BatchNorm running
-        # stats, say) have a side effect: they run once. Their buffers also change after the
-        # forward, so a recomputation reading them would see the new values.
+        descs = list(out_node.meta.get("desc") or [])
+        banned = run_once(nodes, index, inputs, kind, storage, flat_outs[:num_fwd_outputs], descs)
         released = {}
-        for out, desc in zip(flat_outs[:num_fwd_outputs], list(descs)[:num_fwd_outputs], strict=True):
-            if not keep_outputs and type(desc).__name__ == "PlainAOTOutput" and isinstance(out, fx.Node):
-                released[index[out]] = desc.idx
-            if type(desc).__name__ != "InputMutationAOTOutput" or not isinstance(out, fx.Node):
-                continue
-            op = out.args[0] if out.target is operator.getitem else out
-            if isinstance(op, fx.Node) and op.op == "call_function":
-                banned[index[op]] = True
-                for u in op.users:
-                    if u in index:
-                        banned[index[u]] = True
-        # An input the step updates (in the graph, or written back after the forward) holds
-        # another value in the backward: any op reading it, directly or through a view, would
-        # give another result there if the backward recomputed it.
-        for i in range(len(nodes)):
-            if kind[i] == FWD and any(storage[j] in written for j in inputs[i]):
-                banned[i] = True
+        if not keep_outputs:  # what the step returns as it is (AOTAutograd's plain outputs)
+            for out, desc in zip(flat_outs[:num_fwd_outputs], descs[:num_fwd_outputs], strict=True):
+                if type(desc).__name__ == "PlainAOTOutput" and isinstance(out, fx.Node):
+                    released[index[out]] = desc.idx
 
         cost_s = [cost.node_seconds(n) for n in nodes]
         tangent_users = [u for i in range(len(nodes)) if kind[i] == TANGENT for u in users[i]]

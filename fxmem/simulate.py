@@ -75,8 +75,8 @@ def simulate(
     storage, sbytes = jg.storage, jg.storage_bytes
 
     static = jg.primal_storages
-    pinned_end = jg.kept_to_end
-    released = _let_go(jg, pinned_end)
+    kept_end = jg.kept_to_end
+    released = _let_go(jg, kept_end)
     saved_sids = {storage[i] for i in fwd_order if saved[i]} - static
     saved_sids.discard(-1)
 
@@ -90,8 +90,8 @@ def simulate(
     # What a storage costs while alive, per phase: nothing if a fusing compiler never writes it
     # out. What the caller lets go is stored in the forward, which returns it, and no more in
     # the backward, which may compute it again.
-    held = saved_sids | pinned_end | released
-    kept_b = saved_sids | pinned_end
+    held = saved_sids | kept_end | released
+    kept_b = saved_sids | kept_end
     cost = _costs(jg, held)
     costs = (cost, _costs(jg, kept_b) if released else cost)
     rset = set(recomputed)
@@ -127,15 +127,15 @@ def simulate(
     for s, t in last_f.items():
         if s in static:
             continue
-        if s in pinned_end:
+        if s in kept_end:
             t = end
         elif s in saved_sids:
             t = last_b.get(s, boundary - 1)
         frees.setdefault(t, []).append(s)
     for s, t in last_b.items():
-        if s in static or s in saved_sids or (s in pinned_end and s in last_f):
+        if s in static or s in saved_sids or (s in kept_end and s in last_f):
             continue
-        frees.setdefault(end if s in pinned_end else t, []).append(s)
+        frees.setdefault(end if s in kept_end else t, []).append(s)
 
     # A fused kernel frees what it last reads when it ends, or writes an output of the same
     # size over it (inductor reuses a buffer that dies in the kernel that makes the new one,
@@ -232,7 +232,7 @@ def simulate(
     saved_interval = {}
     for s in saved_sids:
         free_t = last_b.get(s, boundary - 1)
-        saved_interval[s] = (alloc_at.get(s, 0), end if s in pinned_end else free_t)
+        saved_interval[s] = (alloc_at.get(s, 0), end if s in kept_end else free_t)
     kinds = ["fwd"] * boundary + ["recompute" if i in rset else "bwd" for i in order[boundary:]]
     return Timeline(
         peak_bytes=peak,
@@ -296,9 +296,9 @@ def let_go(jg: JointGraph) -> set[int]:
     return _let_go(jg, jg.kept_to_end)
 
 
-def _let_go(jg: JointGraph, pinned_end: frozenset[int]) -> set[int]:
+def _let_go(jg: JointGraph, kept_end: frozenset[int]) -> set[int]:
     released = {jg.storage[i] for i in jg.released_outputs if jg.storage[i] >= 0}
-    return released - pinned_end - jg.primal_storages
+    return released - kept_end - jg.primal_storages
 
 
 def _extend_through_unstored(
