@@ -35,15 +35,14 @@ def kicked(
 ) -> list[Choice]:
     """States below the lowest of `states`, walked to from it by saving a recomputed value.
 
-    The values tried are those read by a recomputed storage alive at the lowest state's peak
-    that are recomputed themselves and not alive then: saving one lets the backward recompute
-    what it is made of later, or not at all. Its peak may rise elsewhere first; the walk on
-    from there keeps it saved. Where none ends lower, a swap that lowers the peak at once
-    (`_swapped`) is walked on from, the value it saves kept saved. Kicks and swaps together
-    simulate at most as often as the walk to `states` did (`walked_for` times), or
-    `_KICK_SIMULATIONS` times on a short walk: they cost at most about as much planning time
-    again. On large graphs (tens of thousands of nodes, where a walk takes minutes)
-    `capped` bounds it lower."""
+    The values tried are those that read a recomputed storage alive at the lowest state's peak
+    and are recomputed themselves: saving one lets the backward recompute what it is made of
+    later, or not at all. Its peak may rise elsewhere first; the walk on from there keeps it
+    saved. Where none ends lower, a swap that lowers the peak at once (`_swapped`) is walked
+    on from, the value it saves kept saved. Kicks and swaps together simulate at most as often
+    as the walk to `states` did (`walked_for` times), or `_KICK_SIMULATIONS` times on a short
+    walk: they cost at most about as much planning time again. On large graphs (tens of
+    thousands of nodes, where a walk takes minutes) `capped` bounds it lower."""
     best = min(states, key=lambda c: c.timeline.peak_bytes)
     found: list[Choice] = []
     limit = capped(jg, max(walked_for, _KICK_SIMULATIONS))
@@ -120,8 +119,9 @@ def _swapped(jg: JointGraph, choice: Choice, effort: Effort) -> tuple[Choice, in
 
 
 def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:
-    """Recomputed nodes, one a storage, that read a recomputed storage alive at the peak and
-    are not alive then themselves."""
+    """Recomputed nodes, one a storage, that read another recomputed storage alive at the peak.
+    Those alive then too are tried: GPT-J's first LayerNorm output, recomputed early in the
+    backward, holds the embedding it is made from alive through the peak beside it."""
     tl = choice.timeline
     recomputed = set(tl.recomputed)
     alive = set(at_peak(tl, tl.recomputed_interval))
@@ -130,6 +130,6 @@ def _readers_to_save(jg: JointGraph, choice: Choice) -> list[int]:
         for i in jg.storage_nodes[s]:
             for u in jg.users[i]:
                 su = jg.storage[u]
-                if u in recomputed and su >= 0 and su not in alive and not choice.saved[u]:
+                if u in recomputed and su >= 0 and su != s and not choice.saved[u]:
                     first[su] = min(first.get(su, u), u)
     return sorted(first.values())

@@ -304,7 +304,8 @@ def test_impossible_budget_raises_before_running_and_leaves_model_untouched():
     err = info.value
     assert isinstance(err, ValueError)
     assert err.floor_bytes > 2**20
-    assert f"{err.floor_bytes / 2**30:.4f}" in str(err)
+    named = float(re.search(r"budget_gb >= ([0-9.]+)", str(err)).group(1))  # the floor, rounded up
+    assert err.floor_bytes <= named * 2**30 <= 1.001 * err.floor_bytes
     assert "parameters" in err.breakdown and "MiB" in str(err)
     assert err.plan is not None and err.plan.floor_bytes == err.floor_bytes
     for k, v in model.state_dict().items():
