@@ -43,6 +43,7 @@ from fxmem import _torch_private as tp
 from fxmem.errors import PlanMismatchError
 from fxmem.graph import BWD, FWD, PRIMAL, JointGraph
 from fxmem.kernels import op_name
+from fxmem.nodes import aliased_input
 
 __all__ = [
     "COPY_OF",
@@ -264,13 +265,28 @@ def _make_copies(jg: JointGraph, nodes: list[int]) -> dict[int, fx.Node]:
 def _read_copies(jg: JointGraph, copies: dict[int, fx.Node], values: set[int], made: set[fx.Node]) -> None:
     """Make the backward readers of `values` read their copies; place each node `made` where
     it is first read."""
+    views = []
     for w in values:
         for u in list(jg.users[w]):
             if jg.kind[u] == BWD:
                 jg.nodes[u].replace_input_with(jg.nodes[w], copies[w])
+                views += [jg.nodes[u]] if aliased_input(jg.nodes[u]) is copies[w] else []
+    _view_copies(views)
     _place_copies(jg.gm.graph, made)
     jg.gm.graph.lint()
     jg.gm.recompile()
+
+
+def _view_copies(views: list[fx.Node]) -> None:
+    """Give `views`, backward views that now read a copy, and the views made from them, fake
+    values in the copy's storage. Their values were the original's views: a weight's gradient
+    reading `permute(view(x_again))` would tie x's storage to its copy's, and the plan would
+    count x alive until the copy's last reader (a LayerNorm output 1 MiB too many at HF
+    GPT-2's floor under inductor)."""
+    while views:
+        view = views.pop()
+        view.meta["val"] = tp.fake_rerun(view)
+        views += [u for u in view.users if aliased_input(u) is view]
 
 
 def _place_copies(graph: fx.Graph, copies: set[fx.Node]) -> None:
