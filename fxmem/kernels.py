@@ -40,7 +40,8 @@ _STORED = {
     "native_layer_norm", "native_layer_norm_backward", "inductor_random", "cat",
 } | SCATTERS  # fmt: skip
 # Besides: element-wise ops without the pointwise tag; constants are computed in their readers;
-# a lookup of rows (an embedding) is an indexed load.
+# a lookup of rows (an embedding) is an indexed load, as a gather by integer indices is
+# (`_indexed_load`: Mixtral's tokens sorted by expert).
 _FUSIBLE_NON_POINTWISE = _STORED | {
     "where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding",
     "_low_memory_max_pool_offsets_to_indices",  # a max pooling's window offsets made indices
@@ -99,7 +100,20 @@ def is_fusible(node: fx.Node) -> bool:
         return True
     if op_name(node) in SCATTERS:
         return _scatter_fused(node)
+    if op_name(node) == "index":
+        return _indexed_load(node)
     return op_name(node) in _FUSIBLE_NON_POINTWISE or is_view_op(node)
+
+
+def _indexed_load(node: fx.Node) -> bool:
+    """Whether inductor gathers for `aten.index` in a loop of its own: by integer indices; a
+    boolean mask (its result's size depends on the data) goes to aten's kernel."""
+    indices = node.args[1] if len(node.args) > 1 else ()
+    for i in indices:
+        val = i.meta.get("val") if isinstance(i, fx.Node) else None
+        if i is not None and (not isinstance(val, torch.Tensor) or val.dtype in (torch.bool, torch.uint8)):
+            return False
+    return True
 
 
 def _scatter_fused(node: fx.Node) -> bool:
