@@ -43,7 +43,7 @@ from fxmem import _torch_private as tp
 from fxmem.errors import PlanMismatchError
 from fxmem.graph import BWD, FWD, PRIMAL, JointGraph
 from fxmem.kernels import op_name
-from fxmem.nodes import aliased_input
+from fxmem.nodes import aliased_input, retrace_views
 
 __all__ = [
     "COPY_OF",
@@ -270,23 +270,15 @@ def _read_copies(jg: JointGraph, copies: dict[int, fx.Node], values: set[int], m
         for u in list(jg.users[w]):
             if jg.kind[u] == BWD:
                 jg.nodes[u].replace_input_with(jg.nodes[w], copies[w])
-                views += [jg.nodes[u]] if aliased_input(jg.nodes[u]) is copies[w] else []
-    _view_copies(views)
+                if aliased_input(jg.nodes[u]) is copies[w]:
+                    views.append(jg.nodes[u])
+    # A view's value must alias the copy, not the value it copies: a weight's gradient reads
+    # `permute(view(x_again))` (HF GPT-2's Conv1D), and with x's storage there the plan
+    # counted x alive until the copy's last reader (1 MiB at GPT-2's floor under inductor).
+    retrace_views(views)
     _place_copies(jg.gm.graph, made)
     jg.gm.graph.lint()
     jg.gm.recompile()
-
-
-def _view_copies(views: list[fx.Node]) -> None:
-    """Give `views`, backward views that now read a copy, and the views made from them, fake
-    values in the copy's storage. Their values were the original's views: a weight's gradient
-    reading `permute(view(x_again))` would tie x's storage to its copy's, and the plan would
-    count x alive until the copy's last reader (a LayerNorm output 1 MiB too many at HF
-    GPT-2's floor under inductor)."""
-    while views:
-        view = views.pop()
-        view.meta["val"] = tp.fake_rerun(view)
-        views += [u for u in view.users if aliased_input(u) is view]
 
 
 def _place_copies(graph: fx.Graph, copies: set[fx.Node]) -> None:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import kernels
-from fxmem.nodes import aliased_input
+from fxmem.nodes import aliased_input, retrace_views
 
 __all__ = [
     "LAID_STRIDE",
@@ -159,10 +159,7 @@ def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
         val = node.meta.get("val")
         if isinstance(v, torch.Tensor) and isinstance(val, torch.Tensor) and v.stride() != val.stride():
             node.meta[LAID_STRIDE] = tuple(v.stride())
-    for node in gm.graph.nodes:
-        if node in retraced or (node.op == "call_function" and aliased_input(node) in retraced):
-            node.meta["val"] = tp.fake_rerun(node)
-            retraced.add(node)
+    retrace_views(retraced)
     if copies:
         gm.graph.lint()
         gm.recompile()

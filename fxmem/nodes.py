@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
 
+from fxmem import _torch_private as tp
 from fxmem.cost import tensor_bytes
 
-__all__ = ["aliased_input", "module_path", "source_line", "transient_bytes"]
+__all__ = ["aliased_input", "module_path", "retrace_views", "source_line", "transient_bytes"]
 
 # Ops that must run exactly once: their values cannot be reproduced by running them again.
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
@@ -123,3 +125,16 @@ def aliased_input(node: fx.Node) -> fx.Node | None:
         if arg.alias_info is not None and arg.alias_info.before_set == ret.before_set:
             return value if isinstance(value, fx.Node) else None
     return None
+
+
+def retrace_views(views: Iterable[fx.Node]) -> None:
+    """Give `views`, views a rewrite made read another value, and the views made from them,
+    fake values run again on what they read now. Their old values alias the old input's
+    storage, and storages merge along views: left so, the plan would count two values as one
+    storage (a value and its backward copy, see `again`; a value and its layout copy, see
+    `cleanup.copy_views_of_channels_last`)."""
+    todo = list(views)
+    while todo:
+        view = todo.pop()
+        view.meta["val"] = tp.fake_rerun(view)
+        todo += [u for u in view.users if aliased_input(u) is view]
