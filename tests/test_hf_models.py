@@ -181,6 +181,22 @@ def _floor_mib(model, kwargs, compiler: str) -> float:
     return err.value.floor_bytes / MiB
 
 
+def _zoo_at_fixed_rates(monkeypatch, name: str):
+    """A model of the HF zoo (`benchmarks/hf_zoo.py`) in train mode, its batch and eager's
+    gradients, with the cost model's rates fixed for the rest of the test: the planner's search
+    follows them, so a floor found at measured rates moves from machine to machine."""
+    import fxmem.partition
+    from benchmarks.hf_zoo import _models
+    from fxmem.cost import DeviceRates
+
+    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
+    torch.manual_seed(0)
+    model, kwargs = _models()[name]()
+    model.train()
+    _, ref = _eager_reference(model, kwargs)
+    return model, kwargs, ref
+
+
 def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     """Under inductor, the walks from ConvNeXt's plans end saving its first stage's residual
     and recomputing a later stage's; saving the later one instead lets the backward rebuild
@@ -190,15 +206,8 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     order depends on them (found so at flop rates from 5e10 to 1e12 per second and copy rates
     from 2e9 to 1e10 bytes per second). The budget at that floor holds, as planned."""
     import fxmem.kicks
-    import fxmem.partition
-    from benchmarks.hf_zoo import _models
-    from fxmem.cost import DeviceRates
 
-    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
-    torch.manual_seed(0)
-    model, kwargs = _models()["convnext"]()  # the zoo's: 32 images of 128 x 128
-    model.train()
-    _, ref = _eager_reference(model, kwargs)
+    model, kwargs, ref = _zoo_at_fixed_rates(monkeypatch, "convnext")  # 32 images of 128 x 128
     floor = _floor_mib(model, kwargs, "inductor")
     with monkeypatch.context() as no_swaps:
         no_swaps.setattr(fxmem.kicks, "_swapped", lambda *args: None)
@@ -230,16 +239,9 @@ def test_floor_below_a_recomputed_value_that_holds_its_input_through_the_peak(mo
     the test above. The step holds the model's outputs through the backward, as the plan
     (`keep_outputs=True`) assumes, and its measured peak is the prediction."""
     import fxmem.kicks
-    import fxmem.partition
-    from benchmarks.hf_zoo import _models
-    from fxmem.cost import DeviceRates
     from fxmem.walks import at_peak
 
-    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
-    torch.manual_seed(0)
-    model, kwargs = _models()["gptj"]()
-    model.train()
-    _, ref = _eager_reference(model, kwargs)
+    model, kwargs, ref = _zoo_at_fixed_rates(monkeypatch, "gptj")
     floor = _floor_mib(model, kwargs, "eager")
     tries = fxmem.kicks._readers_to_save
 
@@ -281,15 +283,7 @@ def test_a_gather_by_integer_indices_is_fused_into_the_kernel_beside_it(monkeypa
     matmul's gradients: the gather's output is written while that kernel still holds what it
     reads. Counted as a library call of its own, the gather came after those were freed, and
     the step at the floor measured 4% over its prediction. Rates fixed as above."""
-    import fxmem.partition
-    from benchmarks.hf_zoo import _models
-    from fxmem.cost import DeviceRates
-
-    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
-    torch.manual_seed(0)
-    model, kwargs = _models()["mixtral"]()
-    model.train()
-    _, ref = _eager_reference(model, kwargs)
+    model, kwargs, ref = _zoo_at_fixed_rates(monkeypatch, "mixtral")
     _held_as_predicted(model, kwargs, _floor_mib(model, kwargs, "inductor"), "inductor", ref, within=0.005)
 
 
