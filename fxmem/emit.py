@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import heapq
 
+import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem.cleanup import save_as_traced
 from fxmem.graph import FWD, PRIMAL, JointGraph
-from fxmem.kernels import is_fusible, is_view_op
+from fxmem.kernels import is_fusible, is_inlinable, is_view_op
 from fxmem.planner import Choice
 
 __all__ = ["emit_graphs"]
@@ -46,6 +47,8 @@ def emit_graphs(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.Gr
     tl = choice.timeline
     bw = _ordered_as(bw, [jg.nodes[i].name for i in tl.emitted or tl.order[tl.boundary :]], fusing=bool(jg.fusible))
     for gm in (fw, bw):
+        if jg.fusible:
+            _view_per_reader(gm, layout_opt)
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return fw, bw
@@ -112,3 +115,68 @@ def _ordered_as(gm: fx.GraphModule, names: list[str], fusing: bool) -> fx.GraphM
     for n in gm.graph.find_nodes(op="output"):
         graph.node_copy(n, env.__getitem__)
     return fx.GraphModule(gm, graph)
+
+
+_aten = torch.ops.aten
+# Library calls inductor hands a value in a layout fixed where it lowers that value, when
+# several ops read it (its `need_fixed_layout`; a convolution's input only without its layout
+# optimization).
+_FIXED_LAYOUT_READERS = {_aten.mm.default, _aten._int_mm.default, _aten.convolution_backward.default}
+
+
+def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
+    """Give each reader of a view that a matmul and other ops read a view of its own, where the
+    value viewed is element-wise code reading one buffer.
+
+    Inductor fixes the layout of a value several ops read, one a matmul, where it lowers it. A
+    view of a value it has not stored (a ReLU, computed inside each reader's loop) it copies
+    into a buffer of its own there; the value itself it still computes in its other readers,
+    from its input, which so stays alive until the last of them. T5's feed-forward, computed
+    again in the backward: the ReLU's output, read through a view by the next layer's matmul
+    and by its weight gradient's, was copied, and the ReLU's gradient read the matmul output
+    before it, 2 MiB a layer alive through the peak that the plan had freed. Read by one matmul
+    through a view, the value is stored where the matmul reads it, as the plan counts it.
+    A value reading more buffers inductor stores where it meets the view anyway.
+
+        r = relu(view(mm_13)); v = view(r); mm(v, w); mm(g, v); le(r, 0)
+        ->  r = relu(view(mm_13)); mm(view(r), w); mm(g, view(r)); le(r, 0)
+    """
+    fixed = _FIXED_LAYOUT_READERS | (set() if layout_opt else {_aten.convolution.default})
+    for node in list(gm.graph.nodes):
+        readers = list(node.users)
+        if (
+            len(readers) < 2
+            or not is_view_op(node)
+            or not any(u.target in fixed for u in readers)
+            or any(u.op == "output" for u in readers)
+            or _loads(_viewed_value(node)) > 1
+        ):
+            continue
+        for u in readers[1:]:
+            with gm.graph.inserting_before(u):
+                own = gm.graph.node_copy(node)
+            u.replace_input_with(node, own)
+
+
+def _viewed_value(node: fx.Node) -> fx.Node:
+    """The value a view views, through views."""
+    while is_view_op(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _loads(node: fx.Node, limit: int = 2) -> int:
+    """How many buffers the element-wise code computing `node` loads (up to `limit`): each
+    input it does not compute itself (a placeholder, a library call's output, a reduction)
+    counts one, a single element none."""
+    if node.op != "call_function" or not is_inlinable(node):
+        return limit
+    count = 0
+    for j in node.all_input_nodes:
+        val = j.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() == 1:
+            continue
+        count += _loads(j, limit) if j.op == "call_function" and is_inlinable(j) else 1
+        if count >= limit:
+            return limit
+    return count
