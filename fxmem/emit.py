@@ -118,15 +118,16 @@ def _ordered_as(gm: fx.GraphModule, names: list[str], fusing: bool) -> fx.GraphM
 
 
 _aten = torch.ops.aten
-# Library calls inductor hands a value in a layout fixed where it lowers that value, when
-# several ops read it (its `need_fixed_layout`; a convolution's input only without its layout
-# optimization).
-_FIXED_LAYOUT_READERS = {_aten.mm.default, _aten._int_mm.default, _aten.convolution_backward.default}
+# Matmuls, whose inputs inductor lays out where it lowers a value several ops read (its
+# `need_fixed_layout`). A convolution's gradient only under its layout optimization: without
+# it, the convolutions' own layout constraint copies such a view in each reader (a view of
+# its own per reader would be copied twice).
+_FIXED_LAYOUT_READERS = {_aten.mm.default, _aten._int_mm.default}
 
 
 def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
     """Give each reader of a view that a matmul and other ops read a view of its own, where the
-    value viewed is element-wise code reading one buffer.
+    value viewed is element-wise code loading one buffer.
 
     Inductor fixes the layout of a value several ops read, one a matmul, where it lowers it. A
     view of a value it has not stored (a ReLU, computed inside each reader's loop) it copies
@@ -136,17 +137,17 @@ def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
     and by its weight gradient's, was copied, and the ReLU's gradient read the matmul output
     before it, 2 MiB a layer alive through the peak that the plan had freed. Read by one matmul
     through a view, the value is stored where the matmul reads it, as the plan counts it.
-    A value reading more buffers inductor stores where it meets the view anyway.
+    A value loading more buffers inductor stores where it meets the view anyway.
 
         r = relu(view(mm_13)); v = view(r); mm(v, w); mm(g, v); le(r, 0)
         ->  r = relu(view(mm_13)); mm(view(r), w); mm(g, view(r)); le(r, 0)
     """
-    fixed = _FIXED_LAYOUT_READERS | (set() if layout_opt else {_aten.convolution.default})
+    fixed = _FIXED_LAYOUT_READERS | ({_aten.convolution_backward.default} if layout_opt else set())
     for node in list(gm.graph.nodes):
         readers = list(node.users)
         if (
             len(readers) < 2
-            or not is_view_op(node)
+            or not _is_pure_view(node)
             or not any(u.target in fixed for u in readers)
             or any(u.op == "output" for u in readers)
             or _loads(_viewed_value(node)) > 1
@@ -158,25 +159,40 @@ def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
             u.replace_input_with(node, own)
 
 
+def _is_pure_view(node: fx.Node) -> bool:
+    """A view op that writes nothing (in-place ops return an alias of their input too)."""
+    if not is_view_op(node):
+        return False
+    alias = node.target._schema.returns[0].alias_info
+    return not alias.is_write
+
+
 def _viewed_value(node: fx.Node) -> fx.Node:
     """The value a view views, through views."""
-    while is_view_op(node) and isinstance(node.args[0], fx.Node):
+    while _is_pure_view(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
 
 def _loads(node: fx.Node, limit: int = 2) -> int:
-    """How many buffers the element-wise code computing `node` loads (up to `limit`): each
-    input it does not compute itself (a placeholder, a library call's output, a reduction)
-    counts one, a single element none."""
+    """How many buffers the element-wise code computing `node` loads, each once (up to
+    `limit`): an input it does not compute itself (a placeholder, a library call's output, a
+    reduction) is a buffer, a single element none."""
     if node.op != "call_function" or not is_inlinable(node):
         return limit
-    count = 0
-    for j in node.all_input_nodes:
-        val = j.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.numel() == 1:
-            continue
-        count += _loads(j, limit) if j.op == "call_function" and is_inlinable(j) else 1
-        if count >= limit:
-            return limit
-    return count
+    buffers: set[fx.Node] = set()
+    seen = {node}
+    todo = [node]
+    while todo:
+        for j in todo.pop().all_input_nodes:
+            val = j.meta.get("val")
+            if j in seen or not isinstance(val, torch.Tensor) or val.numel() == 1:
+                continue
+            seen.add(j)
+            if j.op == "call_function" and is_inlinable(j):
+                todo.append(j)
+            else:
+                buffers.add(j)
+                if len(buffers) >= limit:
+                    return limit
+    return len(buffers)
