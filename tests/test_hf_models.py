@@ -175,9 +175,9 @@ def test_floor_below_where_the_walks_stall(monkeypatch):
     assert torch.allclose(got.result, eager.result, rtol=1e-5)
 
 
-def _floor_mib(model, kwargs, compiler: str) -> float:
+def _floor_mib(model, kwargs, compiler: str, keep_outputs: bool = True) -> float:
     with pytest.raises(fxmem.BudgetError) as err:
-        fxmem.optimize(model, 1e-6, example_inputs=kwargs, compiler=compiler)
+        fxmem.optimize(model, 1e-6, example_inputs=kwargs, compiler=compiler, keep_outputs=keep_outputs)
     return err.value.floor_bytes / MiB
 
 
@@ -230,6 +230,20 @@ def _held_as_predicted(model, kwargs, budget_mib: float, compiler: str, ref, wit
     assert max_rel_err(grads_of(model), ref) < 1e-4
 
 
+def _only_values_not_alive_at_the_peak():
+    """`kicks._readers_to_save` without the values alive at the peak (as before GPT-J's test)."""
+    import fxmem.kicks
+    from fxmem.walks import at_peak
+
+    tries = fxmem.kicks._readers_to_save
+
+    def not_alive_at_the_peak(jg, choice):
+        alive = set(at_peak(choice.timeline, choice.timeline.recomputed_interval))
+        return [u for u in tries(jg, choice) if jg.storage[u] not in alive]
+
+    return not_alive_at_the_peak
+
+
 def test_floor_below_a_recomputed_value_that_holds_its_input_through_the_peak(monkeypatch):
     """GPT-J's walks end recomputing its first block's LayerNorm output for the backward, which
     keeps the embedding it is made from alive through the peak beside it. Saving it raises the
@@ -239,22 +253,31 @@ def test_floor_below_a_recomputed_value_that_holds_its_input_through_the_peak(mo
     the test above. The step holds the model's outputs through the backward, as the plan
     (`keep_outputs=True`) assumes, and its measured peak is the prediction."""
     import fxmem.kicks
-    from fxmem.walks import at_peak
 
     model, kwargs, ref = _zoo_at_fixed_rates(monkeypatch, "gptj")
     floor = _floor_mib(model, kwargs, "eager")
-    tries = fxmem.kicks._readers_to_save
-
-    def not_alive_at_the_peak(jg, choice):
-        alive = set(at_peak(choice.timeline, choice.timeline.recomputed_interval))
-        return [u for u in tries(jg, choice) if jg.storage[u] not in alive]
-
     with monkeypatch.context() as fewer_tries:
-        fewer_tries.setattr(fxmem.kicks, "_readers_to_save", not_alive_at_the_peak)
+        fewer_tries.setattr(fxmem.kicks, "_readers_to_save", _only_values_not_alive_at_the_peak())
         stalled = _floor_mib(model, kwargs, "eager")
     assert floor < 0.98 * stalled, f"floor {floor:.3f} MiB, trying only values not alive at the peak {stalled:.3f} MiB"
 
     _held_as_predicted(model, kwargs, floor, "eager", ref, within=0.001)
+
+
+def test_kicks_try_values_alive_at_the_peak_after_the_others(monkeypatch):
+    """The kicks take the first value whose walk ends lower. Tried in graph order, the values
+    alive at the peak (the test above) came among the others, and Qwen3's floor for the step
+    keeping only the loss, under inductor, ended 5% higher (20.99 against 19.95 MiB). Tried
+    after the others, the search is the one without them until those are spent; here its
+    floor is no higher than theirs (asserted)."""
+    import fxmem.kicks
+
+    model, kwargs, _ = _zoo_at_fixed_rates(monkeypatch, "qwen3")
+    floor = _floor_mib(model, kwargs, "inductor", keep_outputs=False)
+    with monkeypatch.context() as fewer_tries:
+        fewer_tries.setattr(fxmem.kicks, "_readers_to_save", _only_values_not_alive_at_the_peak())
+        without = _floor_mib(model, kwargs, "inductor", keep_outputs=False)
+    assert floor <= without, f"floor {floor:.3f} MiB, trying only values not alive at the peak {without:.3f} MiB"
 
 
 def test_a_backward_copy_read_through_a_view_is_a_storage_of_its_own(monkeypatch):
@@ -315,7 +338,7 @@ def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monke
     its own, and the ReLU's gradient computed the ReLU again from the matmul output before it,
     which so stayed alive through the peak. With a view of its own for each reader
     (`emit._view_per_reader`) the ReLU's output is stored, as the plan counts it: the step
-    keeping only the loss measures the prediction (it measured 7% over it). Rates fixed as in
+    keeping only the loss measures the prediction (it measured 4% over it). Rates fixed as in
     `_zoo_at_fixed_rates`."""
     import fxmem.partition
     from fxmem.cost import DeviceRates
@@ -328,7 +351,7 @@ def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monke
     )  # fmt: skip
     model = transformers.T5ForConditionalGeneration(cfg)
     model.train()
-    ids = torch.randint(0, VOCAB, (4, 128))
+    ids = torch.randint(0, VOCAB, (8, 256))
     plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
     predicted = plan.predicted_peak_bytes
     assert got.peak_bytes <= plan.budget_bytes
