@@ -17,6 +17,7 @@ from fxmem import _torch_private as tp
 from fxmem.cleanup import save_as_traced
 from fxmem.graph import FWD, PRIMAL, JointGraph
 from fxmem.kernels import is_fusible, is_inlinable, is_view_op
+from fxmem.nodes import aliased_input
 from fxmem.planner import Choice
 
 __all__ = ["emit_graphs"]
@@ -147,7 +148,7 @@ def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
         readers = list(node.users)
         if (
             len(readers) < 2
-            or not _is_pure_view(node)
+            or aliased_input(node) is None  # not a view (an in-place op aliases what it writes)
             or not any(u.target in fixed for u in readers)
             or any(u.op == "output" for u in readers)
             or _loads(_viewed_value(node)) > 1
@@ -159,18 +160,10 @@ def _view_per_reader(gm: fx.GraphModule, layout_opt: bool) -> None:
             u.replace_input_with(node, own)
 
 
-def _is_pure_view(node: fx.Node) -> bool:
-    """A view op that writes nothing (in-place ops return an alias of their input too)."""
-    if not is_view_op(node):
-        return False
-    alias = node.target._schema.returns[0].alias_info
-    return not alias.is_write
-
-
 def _viewed_value(node: fx.Node) -> fx.Node:
     """The value a view views, through views."""
-    while _is_pure_view(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
+    while (base := aliased_input(node)) is not None:
+        node = base
     return node
 
 
