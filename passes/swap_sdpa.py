@@ -19,10 +19,12 @@ Runs first among the passes: the rules below read the graph as the model author 
 Exact: the same scores, mask, softmax and weighted sum, to float rounding. Masks keep their
 meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a finite fill
 (`finfo.min`) an additive one, and additive masks pass through. A fill that would not drop the
-score (0, -1e4: masked_fill replaces scores, an additive mask shifts them) is refused. On CPU a
-finite mask that comes with the batch is refused too: where it drops every key of a row (left
-padding under a causal mask) eager's softmax is uniform over the row, and the CPU kernel's
-backward gives other gradients there. GQA's `repeat_kv` is undone and
+score (0, -1e4: masked_fill replaces scores, an additive mask shifts them) is refused. A finite
+mask that may drop every key of a row is refused too: there (left padding under a causal mask)
+eager's softmax is uniform over the row, and SDPA's fused kernels give other outputs or gradients
+(CPU's; CUDA's memory-efficient and cuDNN kernels, measured on an H200 with torch 2.11). So a
+finite mask is taken only when it is made from module buffers and shapes and keeps a key in
+every row; one that comes with the batch (an HF `attention_mask`) is refused. GQA's `repeat_kv` is undone and
 `enable_gqa=True` set, so the repeated keys and values are not materialised — unless that would
 leave torch no fused kernel where the repeated ones have one (CUDA in fp32: only flash attention
 takes grouped heads, in half precision), then the repeat stays. With dropout the
@@ -211,11 +213,38 @@ def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
     return base, example_value(kv).shape[1] // h_kv
 
 
-def finite_batch_masks_exact(device: torch.device) -> bool:
-    """Whether SDPA on `device` computes eager's gradients for a finite mask that drops every
-    key of a row (left padding under a causal mask: eager's softmax of that row is uniform).
-    Not on CPU, where the fused kernel's backward gives other gradients for such rows."""
-    return device.type != "cpu"
+def _any_row_dropped(mask: torch.Tensor, masked: bool) -> bool:
+    """Whether `mask` drops every key of some row: where it is True (`masked`) or False (a
+    keep-mask), or, additive, at most half of the most negative finite value."""
+    if mask.dtype == torch.bool:
+        dropped = mask if masked else ~mask
+    else:
+        dropped = mask <= torch.finfo(mask.dtype).min / 2
+    return bool(dropped.all(dim=-1).any())
+
+
+def _drops_whole_rows(m: Match, masked: bool) -> bool | None:
+    """Whether the rule's finite mask drops every key of some row: evaluated when the mask is made
+    from module buffers and shapes (`constants.fold`); None when it comes with the batch, where
+    any row may."""
+    folded = constants.fold(m.bindings["mask"])
+    return None if folded is None else _any_row_dropped(folded[0], masked)
+
+
+def _check_rows_kept(m: Match, masked: bool) -> None:
+    """The buffers a finite mask is made from may change later: the compiled step checks before
+    every call that the mask still keeps a key in every row."""
+    folded = constants.fold(m.bindings["mask"])
+    if folded is None:
+        return
+    _, evaluate, positions = folded
+
+    def holds(args) -> bool:
+        return not _any_row_dropped(evaluate(args), masked)
+
+    constants.register_check(
+        m.output, constants.BufferCheck(positions, holds, "a finite attention mask that keeps a key in every row")
+    )
 
 
 def guard(m: Match, masked: bool = False) -> Refusal | None:
@@ -253,12 +282,17 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         if not wants_bool and mask.dtype != q.dtype:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
         finite = not wants_bool or m.bindings["fill"] != float("-inf")
-        if finite and not finite_batch_masks_exact(q.device) and constants.fold(m.bindings["mask"]) is None:
+        drops = _drops_whole_rows(m, masked) if finite else False
+        if drops is None:
             return Refusal(
-                "a finite mask not known to be made from module buffers (one from the batch) can drop "
-                "whole rows, where CPU SDPA's backward is not eager's"
+                "a finite mask from the batch (an HF attention_mask) can drop every key of a row (left "
+                "padding), where SDPA's fused kernels are not eager's uniform softmax"
             )
+        if drops:
+            return Refusal("the finite mask drops every key of some rows, where SDPA's fused kernels are not eager's")
     m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
+    if mask is not None and finite and not m.bindings["causal"]:  # causal keeps the diagonal
+        _check_rows_kept(m, masked)
     if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None
     m.bindings["gqa"] = None

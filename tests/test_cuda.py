@@ -159,3 +159,59 @@ def test_attention_with_dropout_is_planned_and_held_on_cuda(tmp_path):
     r = _fresh_interpreter(code, report, tmp_path)
     assert r["rewrites"].get("swap_sdpa", 0) > 0, r
     assert r["finite"] and r["peak"] <= r["budget"], r
+
+
+def _left_padded_attention(dtype: torch.dtype, heads: int, t: int, d: int):
+    """q, k, v and an HF-style additive mask (causal, finfo.min where dropped) in which the
+    second sample's first rows have only padding to attend to: every key of those rows is
+    dropped, and eager's softmax there is uniform."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, t, d, device="cuda", generator=g, dtype=dtype) for _ in range(3))
+    keep = torch.tril(torch.ones(t, t, dtype=torch.bool, device="cuda")).expand(2, 1, t, t).clone()
+    keep[1, ..., : t // 4] = False
+    mask = torch.zeros(2, 1, t, t, device="cuda").masked_fill(~keep, torch.finfo(dtype).min).to(dtype)
+    return q, k, v, mask
+
+
+def _attention_grads(attend, q, k, v, mask, weight):
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = attend(q, k, v, mask)
+    (out.double() * weight).sum().backward()
+    return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t, d", [(16, 8), (256, 64)], ids=["small", "llama-head"])
+def test_sdpa_kernels_are_not_eager_on_rows_a_finite_mask_drops_whole(dtype, t, d):
+    """Why swap_sdpa refuses a finite mask that comes with the batch (`_drops_whole_rows`): where
+    left padding drops every key of a row, eager's softmax is uniform, and the fused kernel torch
+    picks on CUDA gives other outputs or gradients there (H200, torch 2.11: 0.10-0.36 of the
+    largest value off, in fp32 and bf16), while the math kernel matches eager. Against a float64
+    eager reference, errors relative to each output's largest value. If torch's kernels come to
+    match eager here, this fails: the refusal could then be lifted on CUDA."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v, mask = _left_padded_attention(dtype, 4, t, d)
+    weight = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).double()
+
+    def eager(q, k, v, mask):
+        return (torch.softmax((q @ k.transpose(-2, -1)) * d**-0.5 + mask, dim=-1)) @ v
+
+    def sdpa(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
+
+    ref = _attention_grads(eager, *(x.double() for x in (q, k, v, mask)), weight)
+    scale = [r.abs().max().item() for r in ref]
+
+    def err(got):
+        return max((g - r).abs().max().item() / s for g, r, s in zip(got, ref, scale, strict=True))
+
+    eager_err = err(_attention_grads(eager, q, k, v, mask, weight))
+    fused = err(_attention_grads(sdpa, q, k, v, mask, weight))
+    with sdpa_kernel(SDPBackend.MATH):
+        math = err(_attention_grads(sdpa, q, k, v, mask, weight))
+    rounding = max(eager_err, 1e-6)
+    print(f"{dtype} T={t} D={d}: eager {eager_err:.2e}, SDPA's math kernel {math:.2e}, its fused kernel {fused:.2e}")
+    assert math <= 4 * rounding, (eager_err, math)
+    assert fused > 10 * rounding, f"the fused kernel matches eager ({fused:.2e}; eager's rounding {eager_err:.2e})"

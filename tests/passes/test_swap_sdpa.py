@@ -153,11 +153,11 @@ def _additive(dtype=torch.float32):
 
 @pytest.fixture
 def finite_masks_exact(monkeypatch):
-    """SDPA on a device whose kernels treat a row a finite mask drops whole as eager does (not
-    CPU's, see `finite_batch_masks_exact`): these tests' masks leave every row a key."""
+    """Finite masks from the batch taken as keeping a key in every row, as these tests' masks do
+    (swap_sdpa refuses them otherwise: see `_drops_whole_rows`)."""
     from fxmem.passes import swap_sdpa as module
 
-    monkeypatch.setattr(module, "finite_batch_masks_exact", lambda device: True)
+    monkeypatch.setattr(module, "_drops_whole_rows", lambda m, masked: False)
 
 
 @pytest.mark.usefixtures("finite_masks_exact")
@@ -205,15 +205,56 @@ def test_a_fill_that_does_not_drop_the_score_is_refused(fill, finite_masks_exact
     assert any("replaces scores" in str(r) for r in swap_sdpa.refusals), swap_sdpa.refusals
 
 
-def test_a_finite_mask_from_the_batch_is_refused_on_cpu():
-    """Left padding under a causal mask drops every key of the first rows; eager's softmax there
-    is uniform, and CPU SDPA's backward gave other gradients (q: 8.8 off, against 1.7 at most)."""
+def _left_padded(dtype=torch.float32):
+    """Causal, with three pads on the left of the second sample: its first three rows keep no key."""
     keep = CAUSAL.expand(B, 1, T, T).clone()
-    keep[1, ..., :3] = False  # three pads on the left of the second sample
-    mask = torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(torch.float32).min)
+    keep[1, ..., :3] = False
+    return keep, torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def test_a_finite_mask_from_the_batch_is_refused():
+    """Left padding under a causal mask drops every key of the first rows; eager's softmax there
+    is uniform, and CPU SDPA's backward gave other gradients (q: 8.8 off, against 1.7 at most);
+    CUDA's memory-efficient and cuDNN kernels too (tests/test_cuda.py)."""
+    _, mask = _left_padded()
     gm, _, fired = _swap(additive_mask, *_qkv(), mask)
     assert fired == 0 and not calls(gm, F.scaled_dot_product_attention), gm.code
-    assert any("whole rows" in str(r) for r in swap_sdpa.refusals), swap_sdpa.refusals
+    assert any("every key of a row" in str(r) for r in swap_sdpa.refusals), swap_sdpa.refusals
+
+
+class _KeepMasked(nn.Module):
+    """Attention whose boolean keep-mask is a module buffer (a fact about the model)."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.register_buffer("keep", keep)
+
+    def forward(self, q, k, v):
+        att = torch.where(self.keep, (q @ k.transpose(-2, -1)) * D**-0.5, torch.finfo(q.dtype).min)
+        return F.softmax(att, dim=-1) @ v
+
+
+def test_a_buffer_mask_is_taken_only_when_every_row_keeps_a_key():
+    """A finite mask made from module buffers is evaluated: one whose rows drop every key is
+    refused; one that keeps a key in every row swaps and is exact, and the compiled step raises
+    once the buffer changes so that a row drops every key."""
+    keep, _ = _left_padded()
+    compiled, seen = compile_with_pass(swap_sdpa, _KeepMasked(keep))
+    compiled(*_qkv())
+    assert seen[0][1] == 0, seen[0][0].code
+    assert any("drops every key of some rows" in str(r) for r in swap_sdpa.refusals), swap_sdpa.refusals
+
+    band = CAUSAL & ~torch.tril(torch.ones(T, T, dtype=torch.bool), diagonal=-4)  # not causal: a mask tensor
+    module = _KeepMasked(band.expand(B, 1, T, T).clone())
+    node = _swap_compiled(module, *_qkv())
+    assert node.kwargs["attn_mask"] is not None and node.kwargs["is_causal"] is False
+    m = fxmem.optimize(module, 4.0, compiler="eager", passes=("swap_sdpa",))
+    m(*_qkv()).sum().backward()
+    assert m.plan.rewrites == {"swap_sdpa": 1}
+    with torch.no_grad():
+        module.keep[1, :, :3] = False
+    with pytest.raises(RuntimeError, match="keeps a key in every row"):
+        m(*_qkv())
 
 
 def test_fp32_softmax_cast_back_in_bf16():
