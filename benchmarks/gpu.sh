@@ -18,6 +18,8 @@
 # and bench): with bench alone, the benchmark has the whole time for MODELS. RUN_ARGS: more
 # options for run.py (say --quick: one activation_memory_budget and one fxmem budget beside its
 # floor, at the model's GPU size when it has no quick one).
+# TESTS_LIMIT: seconds for tests/test_cuda.py (default 16 per minute of the run); PEAK_BUDGETS:
+# the budgets of part peak (default "unconstrained floor").
 # OUT_DIR defaults to $OUT, else benchmarks/results. Needs python3 with torch (CUDA), numpy,
 # networkx, scipy, safetensors and pytest; fxmem itself is installed into a temporary folder
 # when python3 cannot import it. Exit status: 0 when every part run succeeded; else the tests'
@@ -70,7 +72,7 @@ killed() { [ "$1" -eq 124 ] || [ "$1" -eq 137 ]; }
 # The tests and cuda_peak.py take at most a third of the time together.
 tests=0
 if wants tests; then
-    (cd tests && timeout -k 10 $((minutes * 16)) python3 -m pytest -q -p no:cacheprovider --durations=0 \
+    (cd tests && timeout -k 10 "${TESTS_LIMIT:-$((minutes * 16))}" python3 -m pytest -q -p no:cacheprovider --durations=0 \
         test_cuda.py) 2>&1 | tee "$out/test-cuda.log"
     tests=${PIPESTATUS[0]}
     # What is alive at the measured peak beside what the plan predicted there (the small GPT at
@@ -98,7 +100,7 @@ fi
 # minute is left; a failure counts as the tests'.
 if wants peak; then
     for m in ${models//,/ }; do
-        for b in unconstrained floor; do
+        for b in ${PEAK_BUDGETS:-unconstrained floor}; do
             if [ "$(left)" -gt 60 ]; then
                 (cd /tmp && timeout -k 5 $(($(left) - 20)) python3 "$root/benchmarks/cuda_peak.py" --model "$m" \
                     --budget "$b") 2>&1 | grep -v "^W[0-9]" | tee -a "$out/peak-$m.log"
