@@ -127,8 +127,8 @@ def render_model(result: Result, png_name: str | None) -> str:
         verdict = "met" if fx_floor <= low / 2 else "**not met**"
         lines.append(
             f"- floor: fxmem's lowest measured peak within its budget {_mib(fx_floor)} MiB ({best.name}) vs half "
-            f"the lowest anchor peak ({who.name}, {_mib(low)} MiB → {_mib(low // 2)} MiB): {fx_floor / low:.2f} "
-            f"of it, {verdict}"
+            f"the lowest anchor peak ({who.name}, {_mib(low)} MiB → {_mib(low // 2)} MiB): {fx_floor / low:.2f}x "
+            f"that anchor's peak (goal ≤ 0.50x), {verdict}"
         )
     free = next((c for c in result.fxmem() if c.budget_bytes is None), None)
     for c in result.fxmem():
