@@ -19,12 +19,16 @@ Runs first among the passes: the rules below read the graph as the model author 
 Exact: the same scores, mask, softmax and weighted sum, to float rounding. Masks keep their
 meaning — a boolean "masked" fill with -inf becomes a boolean "attend" mask, a finite fill
 (`finfo.min`) an additive one, and additive masks pass through. A fill that would not drop the
-score (0, -1e4: masked_fill replaces scores, an additive mask shifts them) is refused. A finite
-mask that may drop every key of a row is refused too: there (left padding under a causal mask)
-eager's softmax is uniform over the row, and SDPA's fused kernels give other outputs or gradients
-(CPU's; CUDA's memory-efficient and cuDNN kernels, measured on an H200 with torch 2.11). So a
-finite mask is taken only when it is made from module buffers and shapes and keeps a key in
-every row; one that comes with the batch (an HF `attention_mask`) is refused. GQA's `repeat_kv` is undone and
+score (0, -1e4: masked_fill replaces scores, an additive mask shifts them) is refused. Where a
+finite mask drops every key of a row (left padding under a causal mask), eager's softmax is
+uniform over the row, and SDPA's fused kernels give other outputs or gradients (CPU's; CUDA's
+memory-efficient and cuDNN kernels, measured on an H200 with torch 2.11). A finite mask that
+comes with the batch (an HF `attention_mask`) may do so on any step: SDPA then runs with those
+rows attending to every key, and eager's result replaces them, computed without (T, T) weights
+(`_dropped_rows`); with attention dropout it is refused. So does one made from module buffers
+and shapes that drops a row whole; one that keeps a key in every row runs as SDPA alone, and
+the compiled step checks that again whenever one of its buffers changes.
+GQA's `repeat_kv` is undone and
 `enable_gqa=True` set, so the repeated keys and values are not materialised — unless that would
 leave torch no fused kernel where the repeated ones have one (CUDA in fp32: only flash attention
 takes grouped heads, in half precision), then the repeat stays. With dropout the
@@ -68,8 +72,9 @@ def pattern_1(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return F.dropout(att, p=p, training=training) @ v
 
 
-def replacement_1(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal)
+def replacement_1(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
+    dropped = (mask, padded) if padded else None
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped)
 
 
 # 2: as 1 with the scale divided in (`att / math.sqrt(hs)`, GPT-2 research code).
@@ -80,8 +85,9 @@ def pattern_2(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return F.dropout(att, p=p, training=training) @ v
 
 
-def replacement_2(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal)
+def replacement_2(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
+    dropped = (mask, padded) if padded else None
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal, dropped)
 
 
 # 3: HF Llama / GPT-2 / BERT eager — scale by multiply, additive 4-D mask, softmax in fp32 cast back.
@@ -91,8 +97,9 @@ def pattern_3(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_3(q, k, v, scale, mask, p, training, gqa, causal):
-    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa, causal)
+def replacement_3(q, k, v, scale, mask, p, training, gqa, causal, padded=False, drop_below=None):
+    dropped = (mask <= drop_below, padded) if padded else None
+    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa, causal, dropped, mask)
 
 
 # 4: as 3 with the scale divided in (older HF BERT: `scores / math.sqrt(head_size) + mask`).
@@ -102,8 +109,9 @@ def pattern_4(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_4(q, k, v, scale, mask, p, training, gqa, causal):
-    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa, causal)
+def replacement_4(q, k, v, scale, mask, p, training, gqa, causal, padded=False, drop_below=None):
+    dropped = (mask <= drop_below, padded) if padded else None
+    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa, causal, dropped, mask)
 
 
 # 5: `torch.where(causal, scores, min)` (HF GPT-2 before the 4-D masks, GPT-J, CodeGen).
@@ -113,8 +121,9 @@ def pattern_5(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
     return torch.matmul(F.dropout(att, p=p, training=training), v)
 
 
-def replacement_5(q, k, v, scale, mask, fill, p, training, gqa, causal):
-    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal)
+def replacement_5(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
+    dropped = (torch.logical_not(mask), padded) if padded else None
+    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped)
 
 
 # 6: no mask (HF BERT eager without padding, ViT, encoder blocks).
@@ -142,19 +151,56 @@ def replacement_7(q, k, v, scale, p, training, gqa):
 # --- replacement helpers (run with proxies: they branch on numbers, never on tensors) ----------
 
 
-def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False):
-    if gqa is not None:
-        k, v = gqa
-    return F.scaled_dot_product_attention(
+def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False, dropped=None, additive=None):
+    """SDPA; with `dropped` (which keys a finite mask from the batch drops, and the guard's
+    `padded`: heads per key head, keys), eager's attention on the rows that drop every key
+    (`_dropped_rows`). `additive`: the additive mask `dropped` was read from."""
+    rows = None if dropped is None else dropped[0].all(dim=-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
         q,
-        k,
-        v,
-        attn_mask=mask,
+        *(gqa if gqa is not None else (k, v)),
+        attn_mask=mask if rows is None else torch.where(rows, 0.0, mask),  # those rows: every key, finite
         dropout_p=float(p) if training else 0.0,
         is_causal=causal,
         scale=scale,
         enable_gqa=gqa is not None,
     )
+    if rows is None:
+        return out
+    return _dropped_rows(out, q, *(gqa if gqa is not None else (k, v)), scale, rows, *dropped[1], additive)
+
+
+def _dropped_rows(out, q, k, v, scale, rows, n, t, additive):
+    """`out` (SDPA's) on the rows the mask keeps a key of; eager's attention on `rows`, which it
+    drops whole: `n` heads per key head, `t` keys.
+
+    There every score is replaced by the fill (masked_fill, where) or plus the mask rounds to it
+    (an `additive` mask of finfo.min), so eager's softmax is uniform and the row's output is the
+    mean of the values; SDPA's fused kernels give another (CPU's; CUDA's memory-efficient and
+    cuDNN kernels). A fill passes the scores no gradient. An added mask passes it on, and the
+    gradient is the softmax's at uniform weights, d out_i / d s_ij = (v_j - mean v) / t: the
+    same comes from (x - sg(x)) terms, which are 0 and carry the gradient, with s_ij = scale
+    q_i . k_j, sum_j s_ij v_j / t = scale q_i (K^T V) / t and sum_j s_ij / t = scale q_i . mean k;
+    nothing (t, t) is made. A row of an additive mask that drops every key with entries not all
+    equal is not uniform in eager's softmax either: it gives NaN rather than a wrong number, as
+    does a row of -inf, as eager's softmax does.
+    """
+    v_mean = v.mean(dim=-2, keepdim=True)
+    if n > 1:  # grouped heads
+        v_mean = v_mean.repeat_interleave(n, dim=1)
+    uniform = v_mean
+    if additive is not None:
+        kv = torch.matmul(k.transpose(-2, -1), v.detach())  # (B, key heads, D, Dv)
+        k_mean = k.mean(dim=-2, keepdim=True)
+        if n > 1:
+            kv, k_mean = kv.repeat_interleave(n, dim=1), k_mean.repeat_interleave(n, dim=1)
+        along = torch.matmul(q, kv) * (scale / t)
+        centre = (q * k_mean).sum(dim=-1, keepdim=True) * scale
+        uniform = uniform + (along - along.detach()) - (centre - centre.detach()) * v_mean.detach()
+        top = additive.amax(dim=-1, keepdim=True)
+        uneven = (top != additive.amin(dim=-1, keepdim=True)) | (top == float("-inf"))  # eager: NaN too
+        uniform = torch.where(uneven, float("nan"), uniform)
+    return torch.where(rows, uniform.to(out.dtype), out)
 
 
 def _inverse(scale, divided: bool) -> float:
@@ -283,16 +329,18 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
         finite = not wants_bool or m.bindings["fill"] != float("-inf")
         drops = _drops_whole_rows(m, masked) if finite else False
-        if drops is None:
-            return Refusal(
-                "a finite mask from the batch (an HF attention_mask) can drop every key of a row (left "
-                "padding), where SDPA's fused kernels are not eager's uniform softmax"
-            )
-        if drops:
-            return Refusal("the finite mask drops every key of some rows, where SDPA's fused kernels are not eager's")
+        if drops is not False:  # from the batch, or dropping rows: those are computed apart (`_dropped_rows`)
+            if m.bindings.get("training") and float(m.bindings.get("p") or 0.0) > 0:
+                return Refusal(
+                    "a finite mask that can drop every key of a row (an HF attention_mask with left "
+                    "padding), with attention dropout: those rows would need eager's dropout of uniform weights"
+                )
+            m.bindings["padded"] = True
+            if not wants_bool:
+                m.bindings["drop_below"] = torch.finfo(mask.dtype).min / 2
     m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
-    if mask is not None and finite and not m.bindings["causal"]:  # causal keeps the diagonal
-        _check_rows_kept(m, masked)
+    if mask is not None and finite and not m.bindings["causal"] and not m.bindings.get("padded"):
+        _check_rows_kept(m, masked)  # a buffer mask that keeps a key in every row (causal: the diagonal)
     if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None
     m.bindings["gqa"] = None
@@ -300,6 +348,11 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
     repeated = ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1
     if repeated and _grouped_stays_fused(m, q, example_value(ks[0]), example_value(vs[0])):
         m.bindings["gqa"] = (ks[0], vs[0])
+    if m.bindings.get("padded"):  # heads per key head and keys, for `_dropped_rows`
+        keys = static_int(k.shape[-2])
+        if keys is None:
+            return Refusal("a finite mask from the batch with a symbolic number of keys")
+        m.bindings["padded"] = (ks[1] if m.bindings["gqa"] is not None else 1, keys)
     return None
 
 

@@ -183,12 +183,12 @@ def _attention_grads(attend, q, k, v, mask, weight):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t, d", [(16, 8), (256, 64)], ids=["small", "llama-head"])
 def test_sdpa_kernels_are_not_eager_on_rows_a_finite_mask_drops_whole(dtype, t, d):
-    """Why swap_sdpa refuses a finite mask that comes with the batch (`_drops_whole_rows`): where
-    left padding drops every key of a row, eager's softmax is uniform, and the fused kernel torch
-    picks on CUDA gives other outputs or gradients there (H200, torch 2.11: 0.10-0.36 of the
-    largest value off, in fp32 and bf16), while the math kernel matches eager. Against a float64
-    eager reference, errors relative to each output's largest value. If torch's kernels come to
-    match eager here, this fails: the refusal could then be lifted on CUDA."""
+    """Why swap_sdpa computes apart the rows a finite mask from the batch drops whole
+    (`_dropped_rows`): there (left padding) eager's softmax is uniform, and the fused kernel torch
+    picks on CUDA gives other outputs or gradients (H200, torch 2.11: 0.10-0.36 of the largest
+    value off, in fp32 and bf16), while the math kernel matches eager. Against a float64 eager
+    reference, errors relative to each output's largest value. If torch's kernels come to match
+    eager here, this fails: those rows would no longer need computing apart on CUDA."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -215,3 +215,47 @@ def test_sdpa_kernels_are_not_eager_on_rows_a_finite_mask_drops_whole(dtype, t, 
     print(f"{dtype} T={t} D={d}: eager {eager_err:.2e}, SDPA's math kernel {math:.2e}, its fused kernel {fused:.2e}")
     assert math <= 4 * rounding, (eager_err, math)
     assert fused > 10 * rounding, f"the fused kernel matches eager ({fused:.2e}; eager's rounding {eager_err:.2e})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swap_sdpa_is_eager_on_rows_a_mask_from_the_batch_drops_whole(dtype):
+    """HF's eager attention with a left-padded additive mask, grouped heads, on CUDA: swap_sdpa
+    fires, and the rewritten graph gives eager's output and gradients (relative to each one's
+    largest value, against a float64 eager reference, no further off than eager itself)."""
+    import torch.nn.functional as F
+    from _graphs import calls, capture, run_graph
+    from fxmem.passes.swap_sdpa import swap_sdpa
+
+    heads, kv_heads, t, d = 8, 2, 256, 64
+    q, _, _, mask = _left_padded_attention(dtype, heads, t, d)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    k, v = (torch.randn(2, kv_heads, t, d, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+
+    def attention(q, k, v, mask):  # HF Llama's eager attention, repeat_kv included
+        k, v = (x[:, :, None].expand(2, kv_heads, heads // kv_heads, t, d).reshape(2, heads, t, d) for x in (k, v))
+        att = torch.matmul(q, k.transpose(2, 3)) * d**-0.5 + mask
+        return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    gm, ex = capture(attention, *leaves, mask)
+    gm, fired = swap_sdpa(gm, ex)
+    assert fired == 1 and calls(gm, F.scaled_dot_product_attention), swap_sdpa.refusals
+    weight = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).double()
+
+    order = [next(i for i, x in enumerate([*leaves, mask]) if x is e) for e in ex]  # Dynamo's input order
+
+    def grads(fn, q, k, v, mask):
+        args = [x.detach().requires_grad_() for x in (q, k, v)] + [mask]
+        out = fn(*args)
+        (out.double() * weight).sum().backward()
+        return [out.detach().double()] + [a.grad.double() for a in args[:3]]
+
+    ref = grads(attention, *(x.double() for x in (q, k, v, mask)))
+
+    def err(got):
+        return max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(got, ref, strict=True))
+
+    eager = err(grads(attention, q, k, v, mask))
+    swapped = err(grads(lambda *a: run_graph(gm, [a[i] for i in order]), q, k, v, mask))
+    print(f"{dtype}: eager {eager:.2e}, swapped {swapped:.2e}")
+    assert swapped <= max(4 * eager, 1e-5), (eager, swapped)
