@@ -1,7 +1,8 @@
 """Hugging Face architectures, built from small configs, through `fxmem.optimize` as users call it.
 
     python benchmarks/hf_zoo.py [--models gpt2,llama,...] [--compiler eager|inductor]
-        [--budget 0.5|floor] [--keep-outputs true|false] [--hold-outputs]
+        [--budget 0.5|floor] [--keep-outputs true|false] [--hold-outputs] [--padded]
+        [--attention eager|sdpa]
 
 Each model is built with transformers' defaults (its default attention implementation, its
 own loss from `labels`), dropout off so that eager and fxmem compute the same thing, and one
@@ -14,7 +15,8 @@ passes that fired, and the first call's seconds (planning and compilation). The 
 only the loss; fxmem plans with `keep_outputs` as given (default true, as `fxmem.optimize`:
 the returned logits counted through the backward). With `--hold-outputs` the measured steps,
 eager's and fxmem's, hold what the model returns until the backward has run: the step a
-`keep_outputs=True` plan is made for, which it measures at its prediction. Language models train on 8 x 512 tokens of a 512-word vocabulary,
+`keep_outputs=True` plan is made for, which it measures at its prediction. Language models train on 8 x 512 tokens of a 512-word vocabulary
+(with `--padded`, the last four sequences left-padded by 64 tokens in their attention mask),
 vision models on 32 images of 128 px. Needs transformers. Exit status 1 when a budget that was
 accepted did not hold, gradients differ by more than 1e-4 (under inductor: and by more than
 ten times plain torch.compile's own difference, as batch norm's ill-conditioned gradients do),
@@ -65,20 +67,32 @@ _DECODER = dict(
 )
 
 
-def _tokens() -> dict[str, torch.Tensor]:
+def _tokens(padded: bool = False) -> dict[str, torch.Tensor]:
+    """With `padded`, an attention mask that pads the second half of the batch on the left by an
+    eighth of the sequence: under a causal mask those rows attend to nothing. Every token keeps
+    its label, so what those rows compute reaches the loss."""
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    return {"input_ids": ids, "labels": ids}
+    batch = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[BATCH // 2 :, : SEQ // 8] = 0
+        batch["attention_mask"] = mask
+    return batch
 
 
 def _images() -> dict[str, torch.Tensor]:
     return {"pixel_values": torch.randn(32, 3, 128, 128), "labels": torch.randint(0, 10, (32,))}
 
 
-def _models() -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+def _models(
+    padded: bool = False, attention: str | None = None
+) -> dict[str, Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]]:
+    """`attention`: the language models' `attn_implementation` (None: transformers' default)."""
     import transformers as T
 
     def lm(cls: Any, cfg: Any) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
-        return lambda: (cls._from_config(cfg), _tokens())
+        kw = {} if attention is None else {"attn_implementation": attention}
+        return lambda: (cls._from_config(cfg, **kw), _tokens(padded))
 
     def vision(cls: Any, cfg: Any) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
         return lambda: (cls._from_config(cfg), _images())
@@ -319,6 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure steps that hold what the model returns through the backward (needs --keep-outputs true)",
     )
+    ap.add_argument(
+        "--padded",
+        action="store_true",
+        help="language models get an attention mask padding half the batch on the left (see _tokens)",
+    )
+    ap.add_argument(
+        "--attention",
+        default=None,
+        choices=["eager", "sdpa"],
+        help="the language models' attn_implementation (default: transformers' own)",
+    )
     args = ap.parse_args(argv)
     if args.hold_outputs and args.keep_outputs == "false":
         ap.error("--hold-outputs measures the step keep_outputs=True plans for; drop --keep-outputs false")
@@ -328,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError
         except ValueError:
             ap.error(f"--budget must be a fraction in (0, 1] or 'floor', got {args.budget!r}")
-    models = _models()
+    models = _models(args.padded, args.attention)
     names = [m for m in args.models.split(",") if m] or list(models)
     unknown = sorted(set(names) - set(models))
     if unknown:
@@ -336,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     keep = args.keep_outputs == "true"
     print(
         f"# HF architectures, compiler={args.compiler}, budget {args.budget}, keep_outputs={keep}"
-        f"{', outputs held through the backward' if args.hold_outputs else ''}\n\n"
+        f"{', outputs held through the backward' if args.hold_outputs else ''}"
+        f"{', half the batch left-padded' if args.padded else ''}"
+        f"{f', attn_implementation={args.attention!r}' if args.attention else ''}\n\n"
         f"{machine_line('cpu')}\n"
     )
     print(

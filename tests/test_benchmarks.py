@@ -274,6 +274,22 @@ def test_cnn_floor_reports_each_model_and_compiler(capsys):
         cnn_floor.main(["--models", "resnet9000"])
 
 
+def test_hf_zoo_left_padded_with_eager_attention_takes_swap_sdpa_and_holds(capsys):
+    """HF Llama's eager attention with an attention mask that pads half the batch on the left:
+    swap_sdpa fires in both layers (the rows with nothing to attend to computed apart), every
+    token's loss reaches the gradients, and they are eager's; the floor holds as predicted."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_zoo
+
+    args = ["--models", "llama", "--padded", "--attention", "eager", "--budget", "floor", "--keep-outputs", "false"]
+    assert hf_zoo.main(args) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    budget, measured, predicted = float(cells[2]), float(cells[3]), float(cells[4])
+    assert measured <= budget and abs(measured - predicted) <= 0.01 * measured, cells
+    assert float(cells[6]) < 1e-5 and "swap_sdpa x2" in cells[8], cells
+
+
 def test_hf_zoo_holds_a_model_at_its_floor(capsys):
     pytest.importorskip("transformers")
     from benchmarks import hf_zoo
