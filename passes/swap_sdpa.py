@@ -73,8 +73,8 @@ def pattern_1(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_1(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
-    dropped = (mask, padded) if padded else None
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped)
+    dropped = mask if padded else None
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped, padded)
 
 
 # 2: as 1 with the scale divided in (`att / math.sqrt(hs)`, GPT-2 research code).
@@ -86,8 +86,8 @@ def pattern_2(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_2(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
-    dropped = (mask, padded) if padded else None
-    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal, dropped)
+    dropped = mask if padded else None
+    return _sdpa(q, k, v, _not_masked(mask, fill), _inverse(scale, True), p, training, gqa, causal, dropped, padded)
 
 
 # 3: HF Llama / GPT-2 / BERT eager — scale by multiply, additive 4-D mask, softmax in fp32 cast back.
@@ -98,8 +98,8 @@ def pattern_3(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
 
 
 def replacement_3(q, k, v, scale, mask, p, training, gqa, causal, padded=False, drop_below=None):
-    dropped = (mask <= drop_below, padded) if padded else None
-    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa, causal, dropped, mask)
+    dropped = mask <= drop_below if padded else None
+    return _sdpa(q, k, v, mask, _inverse(scale, False), p, training, gqa, causal, dropped, padded, mask)
 
 
 # 4: as 3 with the scale divided in (older HF BERT: `scores / math.sqrt(head_size) + mask`).
@@ -110,8 +110,8 @@ def pattern_4(q, k, v, scale, mask, softmax_dtype, dtype, p, training):
 
 
 def replacement_4(q, k, v, scale, mask, p, training, gqa, causal, padded=False, drop_below=None):
-    dropped = (mask <= drop_below, padded) if padded else None
-    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa, causal, dropped, mask)
+    dropped = mask <= drop_below if padded else None
+    return _sdpa(q, k, v, mask, _inverse(scale, True), p, training, gqa, causal, dropped, padded, mask)
 
 
 # 5: `torch.where(causal, scores, min)` (HF GPT-2 before the 4-D masks, GPT-J, CodeGen).
@@ -122,8 +122,8 @@ def pattern_5(q, k, v, scale, mask, fill, softmax_dtype, dtype, p, training):
 
 
 def replacement_5(q, k, v, scale, mask, fill, p, training, gqa, causal, padded=False):
-    dropped = (torch.logical_not(mask), padded) if padded else None
-    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped)
+    dropped = torch.logical_not(mask) if padded else None
+    return _sdpa(q, k, v, _attend(mask, fill), _inverse(scale, False), p, training, gqa, causal, dropped, padded)
 
 
 # 6: no mask (HF BERT eager without padding, ViT, encoder blocks).
@@ -151,23 +151,24 @@ def replacement_7(q, k, v, scale, p, training, gqa):
 # --- replacement helpers (run with proxies: they branch on numbers, never on tensors) ----------
 
 
-def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False, dropped=None, additive=None):
-    """SDPA; with `dropped` (which keys a finite mask from the batch drops, and the guard's
-    `padded`: heads per key head, keys), eager's attention on the rows that drop every key
-    (`_dropped_rows`). `additive`: the additive mask `dropped` was read from."""
-    rows = None if dropped is None else dropped[0].all(dim=-1, keepdim=True)
+def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False, dropped=None, padded=None, additive=None):
+    """SDPA; with `dropped` (which keys a finite mask that can drop whole rows drops) and the
+    guard's `padded` (heads per key head, keys), eager's attention on the rows that drop every
+    key (`_dropped_rows`). `additive`: the additive mask `dropped` was read from."""
+    if gqa is not None:
+        k, v = gqa
+    rows = None if dropped is None else dropped.all(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(
         q,
-        *(gqa if gqa is not None else (k, v)),
+        k,
+        v,
         attn_mask=mask if rows is None else torch.where(rows, 0.0, mask),  # those rows: every key, finite
         dropout_p=float(p) if training else 0.0,
         is_causal=causal,
         scale=scale,
         enable_gqa=gqa is not None,
     )
-    if rows is None:
-        return out
-    return _dropped_rows(out, q, *(gqa if gqa is not None else (k, v)), scale, rows, *dropped[1], additive)
+    return out if rows is None else _dropped_rows(out, q, k, v, scale, rows, *padded, additive)
 
 
 def _dropped_rows(out, q, k, v, scale, rows, n, t, additive):
@@ -269,20 +270,9 @@ def _any_row_dropped(mask: torch.Tensor, masked: bool) -> bool:
     return bool(dropped.all(dim=-1).any())
 
 
-def _drops_whole_rows(m: Match, masked: bool) -> bool | None:
-    """Whether the rule's finite mask drops every key of some row: evaluated when the mask is made
-    from module buffers and shapes (`constants.fold`); None when it comes with the batch, where
-    any row may."""
-    folded = constants.fold(m.bindings["mask"])
-    return None if folded is None else _any_row_dropped(folded[0], masked)
-
-
-def _check_rows_kept(m: Match, masked: bool) -> None:
-    """The buffers a finite mask is made from may change later: the compiled step checks before
-    every call that the mask still keeps a key in every row."""
-    folded = constants.fold(m.bindings["mask"])
-    if folded is None:
-        return
+def _check_rows_kept(m: Match, folded: tuple, masked: bool) -> None:
+    """The buffers a finite mask is made from (`folded`: `constants.fold`'s) may change later:
+    the compiled step checks before every call that the mask still keeps a key in every row."""
     _, evaluate, positions = folded
 
     def holds(args) -> bool:
@@ -319,6 +309,7 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             return Refusal(f"the mask fill {fill} replaces scores, which an additive mask cannot")
         m.bindings["fill"] = fill
     mask = m.val("mask") if "mask" in m.bindings else None
+    folded = None  # the mask's value when made from module buffers and shapes (`constants.fold`)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             return Refusal("the mask is not a tensor")
@@ -328,8 +319,10 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         if not wants_bool and mask.dtype != q.dtype:
             return Refusal(f"additive mask dtype {mask.dtype} differs from q's {q.dtype}")
         finite = not wants_bool or m.bindings["fill"] != float("-inf")
-        drops = _drops_whole_rows(m, masked) if finite else False
-        if drops is not False:  # from the batch, or dropping rows: those are computed apart (`_dropped_rows`)
+        folded = constants.fold(m.bindings["mask"])
+        # From the batch (not folded), any row may drop every key; a folded mask is evaluated.
+        drops = finite and (folded is None or _any_row_dropped(folded[0], masked))
+        if drops:  # those rows are computed apart (`_dropped_rows`)
             if m.bindings.get("training") and float(m.bindings.get("p") or 0.0) > 0:
                 return Refusal(
                     "a finite mask that can drop every key of a row (an HF attention_mask with left "
@@ -338,9 +331,9 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             m.bindings["padded"] = True
             if not wants_bool:
                 m.bindings["drop_below"] = torch.finfo(mask.dtype).min / 2
-    m.bindings["causal"] = mask is not None and _causal_mask(m, q, k, masked)
-    if mask is not None and finite and not m.bindings["causal"] and not m.bindings.get("padded"):
-        _check_rows_kept(m, masked)  # a buffer mask that keeps a key in every row (causal: the diagonal)
+    m.bindings["causal"] = folded is not None and _causal_mask(m, folded, q, k, masked)
+    if folded is not None and finite and not m.bindings["causal"] and not m.bindings.get("padded"):
+        _check_rows_kept(m, folded, masked)  # a buffer mask that keeps a key in every row (causal: the diagonal)
     if m.bindings["causal"]:  # no mask tensor; the node stays bound so the rewrite erases it
         m.bindings["folded_mask"], m.bindings["mask"] = m.bindings["mask"], None
     m.bindings["gqa"] = None
@@ -410,15 +403,13 @@ def _is_causal(mask: torch.Tensor, masked: bool, fill: float | None, dtype: torc
     )
 
 
-def _causal_mask(m: Match, q: torch.Tensor, k: torch.Tensor, masked: bool) -> bool:
-    """Whether the mask is a fact about the model (made from module buffers and shapes) that
-    says exactly "causal": then SDPA runs with `is_causal=True` and no mask tensor is made.
-    The buffers may change later, so the compiled step checks them before every call."""
+def _causal_mask(m: Match, folded: tuple, q: torch.Tensor, k: torch.Tensor, masked: bool) -> bool:
+    """Whether the mask, a fact about the model (`folded`: `constants.fold`'s, made from module
+    buffers and shapes), says exactly "causal": then SDPA runs with `is_causal=True` and no mask
+    tensor is made. The buffers may change later, so the compiled step checks them before every
+    call."""
     t = static_int(q.shape[-2])
     if t is None or static_int(k.shape[-2]) != t:
-        return False
-    folded = constants.fold(m.bindings["mask"])
-    if folded is None:
         return False
     value, evaluate, positions = folded
     fill = m.bindings.get("fill")
