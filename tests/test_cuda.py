@@ -180,6 +180,11 @@ def _attention_grads(attend, q, k, v, mask, weight):
     return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
 
 
+def _err(got, ref) -> float:
+    """The largest error of output and gradients, each relative to the reference's largest value."""
+    return max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("t, d", [(16, 8), (256, 64)], ids=["small", "llama-head"])
 def test_sdpa_kernels_are_not_eager_on_rows_a_finite_mask_drops_whole(dtype, t, d):
@@ -202,15 +207,10 @@ def test_sdpa_kernels_are_not_eager_on_rows_a_finite_mask_drops_whole(dtype, t, 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5)
 
     ref = _attention_grads(eager, *(x.double() for x in (q, k, v, mask)), weight)
-    scale = [r.abs().max().item() for r in ref]
-
-    def err(got):
-        return max((g - r).abs().max().item() / s for g, r, s in zip(got, ref, scale, strict=True))
-
-    eager_err = err(_attention_grads(eager, q, k, v, mask, weight))
-    fused = err(_attention_grads(sdpa, q, k, v, mask, weight))
+    eager_err = _err(_attention_grads(eager, q, k, v, mask, weight), ref)
+    fused = _err(_attention_grads(sdpa, q, k, v, mask, weight), ref)
     with sdpa_kernel(SDPBackend.MATH):
-        math = err(_attention_grads(sdpa, q, k, v, mask, weight))
+        math = _err(_attention_grads(sdpa, q, k, v, mask, weight), ref)
     rounding = max(eager_err, 1e-6)
     print(f"{dtype} T={t} D={d}: eager {eager_err:.2e}, SDPA's math kernel {math:.2e}, its fused kernel {fused:.2e}")
     assert math <= 4 * rounding, (eager_err, math)
@@ -244,18 +244,11 @@ def test_swap_sdpa_is_eager_on_rows_a_mask_from_the_batch_drops_whole(dtype):
 
     order = [next(i for i, x in enumerate([*leaves, mask]) if x is e) for e in ex]  # Dynamo's input order
 
-    def grads(fn, q, k, v, mask):
-        args = [x.detach().requires_grad_() for x in (q, k, v)] + [mask]
-        out = fn(*args)
-        (out.double() * weight).sum().backward()
-        return [out.detach().double()] + [a.grad.double() for a in args[:3]]
+    def swapped_attention(*args):
+        return run_graph(gm, [args[i] for i in order])
 
-    ref = grads(attention, *(x.double() for x in (q, k, v, mask)))
-
-    def err(got):
-        return max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(got, ref, strict=True))
-
-    eager = err(grads(attention, q, k, v, mask))
-    swapped = err(grads(lambda *a: run_graph(gm, [a[i] for i in order]), q, k, v, mask))
+    ref = _attention_grads(attention, *(x.double() for x in (q, k, v, mask)), weight)
+    eager = _err(_attention_grads(attention, q, k, v, mask, weight), ref)
+    swapped = _err(_attention_grads(swapped_attention, q, k, v, mask, weight), ref)
     print(f"{dtype}: eager {eager:.2e}, swapped {swapped:.2e}")
     assert swapped <= max(4 * eager, 1e-5), (eager, swapped)

@@ -201,25 +201,30 @@ def _left_padded(dtype=torch.float32):
     return keep, torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-@pytest.mark.parametrize("fn", [additive_mask, where_finfo_min, masked_fill_finfo_min])
+@pytest.mark.parametrize("form", [additive_mask, where_finfo_min, masked_fill_finfo_min])
 @pytest.mark.parametrize("kv_heads", [H, H // 2], ids=["heads", "grouped"])
-def test_rows_a_finite_mask_from_the_batch_drops_whole_are_eagers(fn, kv_heads):
+def test_rows_a_finite_mask_from_the_batch_drops_whole_are_eagers(form, kv_heads):
     """Left padding under a causal mask drops every key of the first rows. Eager's softmax there
     is uniform; SDPA's fused kernels are not eager there (CPU's backward: q 8.8 off, against 1.7
     at most; CUDA's, tests/test_cuda.py). Those rows are computed apart: outputs and gradients are
-    eager's, the added mask passing the scores their gradient and a fill none."""
+    eager's, the added mask passing the scores their gradient and a fill none; with grouped
+    heads (HF's repeat_kv, undone by the pass) too."""
     keep, additive = _left_padded()
+    mask = additive if form is additive_mask else keep
+    n = H // kv_heads
+
+    def fn(q, k, v, mask):
+        if n > 1:
+            k, v = (x[:, :, None, :, :].expand(B, kv_heads, n, T, D).reshape(B, H, T, D) for x in (k, v))
+        return form(q, k, v, mask)
+
     q, k, v = _qkv(kv_heads=kv_heads)
-    if kv_heads != H:  # HF's repeat_kv, which the pass undoes
-        k, v = (x.detach()[:, :, None].expand(B, kv_heads, H // kv_heads, T, D).reshape(B, H, T, D) for x in (k, v))
-        k.requires_grad_(), v.requires_grad_()
-    mask = additive if fn is additive_mask else keep
+    dropped_rows = fn(q, k, v, mask)[1, :, :3]  # eager's: the mean of the values, uniform weights
+    assert torch.allclose(dropped_rows, v[1].repeat_interleave(n, dim=0).mean(dim=-2, keepdim=True).expand(H, 3, D))
     gm = _check(fn, q, k, v, mask)
     (sdpa,) = calls(gm, F.scaled_dot_product_attention)
     assert sdpa.kwargs["attn_mask"] is not None and not sdpa.kwargs["is_causal"]
-    out = run_graph(gm, _swap(fn, q, k, v, mask)[1])
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    assert torch.allclose(out[1, :, :3], v[1].mean(dim=-2, keepdim=True).expand(H, 3, D), atol=1e-6)
+    assert sdpa.kwargs["enable_gqa"] == (n > 1)
 
 
 @pytest.mark.parametrize("odd", ["uneven", "-inf"])
