@@ -1,20 +1,22 @@
-"""Opaque copies written into the graphs a fusing compiler (inductor) compiles.
+"""Opaque ops written into the graphs a fusing compiler (inductor) compiles.
 
 `rows` copies rows of a tensor in an op inductor cannot see through, so the kernels reading the
 copy read from the start of a buffer of their own rather than at an offset written into their
 code: kernels that differed only in that offset become one. `seeds_from_buffers` reads each
 random op's seed so (identical dropouts compile one kernel); `chunked_lm_loss` reads each
-chunk's targets so.
+chunk's targets so. `addmm` adds a matmul to a running sum in one library call that inductor
+cannot take apart.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import mm_flop, register_flop_formula
 
 from fxmem import _torch_private as tp
 
-__all__ = ["rows", "seeds_from_buffers"]
+__all__ = ["addmm", "rows", "seeds_from_buffers"]
 
 
 @torch.library.custom_op("fxmem::rows", mutates_args=())
@@ -31,6 +33,31 @@ def rows(x: torch.Tensor, start: int, length: int) -> torch.Tensor:
 @rows.register_fake
 def _(x, start, length):
     return x.new_empty((length, *x.shape[1:]))
+
+
+@torch.library.custom_op("fxmem::addmm", mutates_args=())
+def addmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`total + a @ b` as `torch.addmm`: one library call, which writes the new sum.
+
+    A running sum over a loop of matmuls (the chunked loss's weight gradient) holds two sums
+    alive at a time only while each step is an addmm. On a GPU inductor splits an addmm whose
+    readers are all pointwise into its matmul and an add fused into those readers; the add
+    then reads the addmm before it, which is split in turn, down the whole loop: every
+    chunk's product is written on its own and one kernel sums them, as many at a time as it
+    may read (HF GPT-2 small's (50257, 768) weight gradient: 13 products alive on a CPU with
+    that split forced, 1.2 GiB over the plan). Opaque, the op cannot be split.
+    """
+    return torch.addmm(total, a, b)
+
+
+@addmm.register_fake
+def _(total, a, b):
+    return total.new_empty((a.shape[0], b.shape[1]))
+
+
+@register_flop_formula(torch.ops.fxmem.addmm)
+def _(total_shape, a_shape, b_shape, *args, **kwargs) -> int:
+    return mm_flop(a_shape, b_shape)
 
 
 def seeds_from_buffers(gm: fx.GraphModule) -> int:

@@ -43,6 +43,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from fxmem.opaque import addmm as opaque_addmm
 from fxmem.opaque import rows as copy_rows
 from fxmem.ops import example_value, static_shape
 from fxmem.outputs import output_values, return_outside
@@ -135,7 +136,8 @@ def _matmul_weight(w):
 
 
 def _accumulate(dw, grad, h, dtype):
-    """dw + grad.T @ h as one addmm in the weight's dtype, outside any autocast region.
+    """dw + grad.T @ h as one addmm in the weight's dtype, outside any autocast region, which a
+    fusing compiler cannot split (see `fxmem.opaque.addmm`).
 
     Under bf16 autocast a bf16 product added to a running sum becomes a cast and an add; a
     fusing compiler then sums every chunk's product in one kernel at the end, so all of them
@@ -145,7 +147,7 @@ def _accumulate(dw, grad, h, dtype):
     """
     with torch.autocast(grad.device.type, enabled=False):
         grad, h = grad.to(dtype), h.to(dtype)
-        return grad.t() @ h if dw is None else torch.addmm(dw, grad.t(), h)
+        return grad.t() @ h if dw is None else opaque_addmm(dw, grad.t(), h)
 
 
 @torch.library.custom_op("fxmem::loss_with_grads", mutates_args=())

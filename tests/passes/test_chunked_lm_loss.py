@@ -373,6 +373,45 @@ def test_head_with_inductor(return_logits):
     assert grad_err(grads_of(model), ref_grads) < 1e-4  # inductor's kernels reorder sums
 
 
+def test_the_weight_gradient_sum_stays_two_buffers_where_inductor_splits_addmm(monkeypatch):
+    """On a GPU inductor splits an addmm whose readers are all pointwise into its matmul and an
+    add fused into them. The backward's weight gradient is a chain of addmms, one per chunk,
+    whose last one a tied embedding's gradient is added to: split down the chain, every
+    chunk's product was written on its own and summed in one kernel. With that split forced on
+    the CPU, measured: the backward holds the running sums, the embedding's gradient and one
+    chunk, not a product per chunk (split: 142 MiB over what the forward left, here 22)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    import torch._inductor.fx_passes.post_grad as post_grad
+
+    monkeypatch.setattr(post_grad, "is_gpu", lambda device: True)
+    vocab, hidden, rows = 8192, 256, 2048  # 16 chunks of 128 rows; the weight 8 MiB
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, vocab, (rows,), generator=g), torch.randint(0, vocab, (rows,), generator=g)
+    w = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+
+    def tied(ids, w, y, loss):  # the head's weight is the embedding's
+        return loss(F.embedding(ids, w) * 2, w, y)
+
+    def chunked(h, w, y):
+        return chunked_cross_entropy(h, w, None, y, -100, "mean", 128, True, False)[0]
+
+    tied(ids, w, y, lambda h, w, y: F.cross_entropy(F.linear(h, w), y)).backward()
+    ref, w.grad = w.grad, None
+    with (
+        inductor_config.patch(fx_graph_cache=False),  # compiled here, with the split
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        compiled = torch.compile(tied, backend="inductor")
+        compiled(ids, w, y, chunked).backward()  # compiles
+        w.grad = None
+        loss = fxmem.measure(compiled, ids, w, y, chunked).result  # what the backward frees, seen made
+        measured = fxmem.measure(loss.backward)
+    weight_bytes = vocab * hidden * 4
+    assert measured.peak_bytes - measured.entry_bytes < 4 * weight_bytes, (measured.peak_bytes, measured.entry_bytes)
+    assert grad_err({"w": w.grad}, {"w": ref}) < 1e-4  # inductor's kernels reorder sums
+
+
 # --- Hugging Face *ForCausalLM: the loss and the logits both come back --------------------------
 
 transformers = pytest.importorskip("transformers")
