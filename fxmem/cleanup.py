@@ -5,6 +5,14 @@ the values are equal and the graph is functional, so the copy only costs memory,
 would save both. A clone is dropped when it keeps the layout, is not a graph output and does
 not copy a graph input (AOTAutograd's output-aliasing bookkeeping depends on those).
 
+A value the forward computes twice from the same inputs (a pass's per-layer copy of what
+depends only on a shared input: `swap_sdpa`'s padded-rows mask, one (B, 1, T, T) copy a
+layer) is computed once, where both copies are also read by the backward: each would be
+alive until then, so one serves both for no longer than they were. Copies the backward does
+not read are left apart (merged, one would live from the first reader to the last), and so
+are the backward's own recomputations (merged with the forward's, the backward would read a
+forward value).
+
 The other way round, a copy inductor would make unseen is made a node of the graph: with a
 convolution on CPU, inductor runs convolutions channels-last, so a graph input read by one (a
 batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
@@ -31,6 +39,7 @@ __all__ = [
     "LAID_STRIDE",
     "copy_conv_inputs_channels_last",
     "copy_views_of_channels_last",
+    "merge_repeated_values",
     "remove_redundant_clones",
     "save_as_traced",
 ]
@@ -70,6 +79,80 @@ def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
     if remap:
         gm.recompile()
     return remap
+
+
+def merge_repeated_values(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int, int]:
+    """Compute once each value the forward computes twice and the backward reads both copies of.
+
+    Two nodes compute the same value when both are a pure op overload (no mutation, no random
+    draw) with the same target and arguments that compute the same values, and are computed
+    for a forward output without being an output themselves. A later one is merged into the
+    first when the backward reads both, or when every reader of it is merged (it is then only
+    a step on the way to such a value: the padded-rows mask's comparison and row test).
+    Returns, for each merged node, its fake storage key -> the kept one's (views of it carry
+    its storage in their metadata).
+    """
+    graph = gm.graph
+    output = next(iter(graph.find_nodes(op="output")))
+    returned = set(output.all_input_nodes)
+    forward: set[fx.Node] = set()
+    stack = [o for o in tp.tree_leaves(output.args)[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+
+    def pure(node: fx.Node) -> bool:
+        target = node.target
+        if node.op != "call_function" or not tp.is_aten_op(target) or node not in forward or node in returned:
+            return False
+        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+    # The first node computing each value, per node (value numbering in graph order).
+    same: dict[fx.Node, fx.Node] = {}
+    first: dict[tuple, fx.Node] = {}
+    for node in graph.nodes:
+        if not pure(node):
+            continue
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: same.get(a, a))
+        try:
+            same[node] = first.setdefault((node.target, _frozen(args)), node)
+        except TypeError:  # an unhashable argument
+            continue
+
+    def read_by_backward(node: fx.Node) -> bool:
+        return any(u not in forward for u in node.users)
+
+    merged: set[fx.Node] = set()
+    for node in reversed(graph.nodes):  # readers first
+        kept = same.get(node, node)
+        if kept is node:
+            continue
+        if (read_by_backward(node) and read_by_backward(kept)) or all(u in merged for u in node.users):
+            merged.add(node)
+    remap: dict[int, int] = {}
+    for node in [n for n in graph.nodes if n in merged]:
+        kept = same[node]
+        val, kept_val = node.meta.get("val"), kept.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(kept_val, torch.Tensor):
+            if val.untyped_storage()._cdata != kept_val.untyped_storage()._cdata:
+                remap[val.untyped_storage()._cdata] = kept_val.untyped_storage()._cdata
+        node.replace_all_uses_with(kept)
+        graph.erase_node(node)
+    if merged:
+        gm.recompile()
+    return remap
+
+
+def _frozen(x: object) -> object:
+    """`x` (node arguments) as a hashable key: lists as tuples, dicts as sorted items."""
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_frozen(a) for a in x))
+    if isinstance(x, dict):
+        return ("dict", *sorted((k, _frozen(v)) for k, v in x.items()))
+    hash(x)
+    return (type(x).__name__, x, repr(x) if isinstance(x, float) else None)  # 0.0 is not -0.0
 
 
 def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:

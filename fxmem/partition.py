@@ -36,6 +36,7 @@ from fxmem.again import (
 from fxmem.cleanup import (
     copy_conv_inputs_channels_last,
     copy_views_of_channels_last,
+    merge_repeated_values,
     remove_redundant_clones,
 )
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
@@ -180,7 +181,8 @@ def _plan_and_emit(
     the forward and backward graphs it makes; `BudgetError` when none fits. Run in `context`,
     the caller's torch state."""
     with context():
-        storage_remap = remove_redundant_clones(joint)
+        storage_remap = merge_repeated_values(joint, num_fwd_outputs)
+        storage_remap.update(remove_redundant_clones(joint))
         layout_opt = req.compiler == "inductor" and on_callers_thread(tp.inductor_layout_optimization, joint)
         if layout_opt:
             copy_conv_inputs_channels_last(joint)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.cleanup import LAID_STRIDE, copy_conv_inputs_channels_last, copy_views_of_channels_last, save_as_traced
+from fxmem.cleanup import (
+    LAID_STRIDE,
+    copy_conv_inputs_channels_last,
+    copy_views_of_channels_last,
+    merge_repeated_values,
+    save_as_traced,
+)
 from fxmem.kernels import LAYOUT_COPY
 
 aten = torch.ops.aten
@@ -132,3 +138,36 @@ def test_saved_nhwc_values_inductor_would_lay_out_are_saved_through_a_view():
     gm.recompile()
     for got, want in zip(gm(*args), _nhwc_block(*args), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def _two_layers(x, m, gy):
+    """A joint graph's shape: the forward output first, then what the backward makes of `gy`."""
+    opened = [torch.where(m.all(-1, keepdim=True), 0.0, x) for _ in range(2)]  # both read later
+    y = opened[0] * 2 + opened[1]
+    y = y * x.sin() + x.sin()  # the forward alone reads these
+    drawn = [torch.rand_like(x) for _ in range(2)]
+    y = y + drawn[0] + drawn[1]
+    return y, gy * opened[0] + gy * opened[1] + gy * drawn[0] * drawn[1]
+
+
+def test_a_value_computed_twice_and_read_by_the_backward_is_computed_once():
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(2, 4, 4, generator=g), torch.randn(2, 4, 4, generator=g)
+    m = torch.rand(2, 4, 4, generator=g) > 0.3
+    gm = make_fx(_two_layers)(x, m, gy)
+
+    ops = (aten.where.self, aten.all.dim, aten.sin.default, aten.rand_like.default)
+
+    def counts():
+        return [sum(n.target is op for n in gm.graph.nodes) for op in ops]
+
+    assert counts() == [2, 2, 2, 2]
+    merge_repeated_values(gm, num_fwd_outputs=1)
+    gm.graph.lint()
+    # the opened mask and its row test once; the forward's own repeats and the random draws apart
+    assert counts() == [1, 1, 2, 2]
+    torch.manual_seed(1)
+    got = gm(x, m, gy)
+    torch.manual_seed(1)
+    for a, b in zip(got, _two_layers(x, m, gy), strict=True):
+        torch.testing.assert_close(a, b)

@@ -608,6 +608,25 @@ def test_hf_end_to_end_through_optimize(name):
     assert grad_err(grads_of(model), ref_grads) < TOL
 
 
+def test_left_padded_layers_share_one_mask_with_those_rows_opened():
+    """Every layer's SDPA reads the batch's mask with the rows it drops whole opened to every key
+    (`where(rows, 0, mask)`, (B, 1, T, T) floats): the same value in each layer, which the plan
+    holds once (the partitioner merges values computed twice), not once a layer."""
+    torch.manual_seed(0)
+    model = _llama(num_hidden_layers=3).train()
+    kwargs = _hf_batch("llama-left-padded")
+    ref = step(model, **kwargs)
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, compiler="eager", passes=("swap_sdpa",))
+    got = step(m, **kwargs)
+    assert m.plan.rewrites == {"swap_sdpa": 3}
+    opened = [d.name for d in m.plan.decisions if d.op == "aten.where.self" and d.nbytes == 2 * SEQ * SEQ * 4]
+    assert len(opened) == 1, opened
+    assert torch.allclose(got, ref, rtol=TOL)
+    assert grad_err(grads_of(model), ref_grads) < TOL
+
+
 def test_nanogpt_with_inductor():
     cfg = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
     torch.manual_seed(0)
