@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import kernels
-from fxmem.nodes import aliased_input, retrace_views
+from fxmem.nodes import _is_impure, _is_random, aliased_input, retrace_views
 
 __all__ = [
     "LAID_STRIDE",
@@ -95,19 +95,13 @@ def merge_repeated_values(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int,
     graph = gm.graph
     output = next(iter(graph.find_nodes(op="output")))
     returned = set(output.all_input_nodes)
-    forward: set[fx.Node] = set()
-    stack = [o for o in tp.tree_leaves(output.args)[:num_fwd_outputs] if isinstance(o, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node not in forward:
-            forward.add(node)
-            stack.extend(node.all_input_nodes)
+    forward_outputs = [o for o in tp.tree_leaves(output.args)[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    forward = set(kernels.reach(forward_outputs, lambda node: node.all_input_nodes))
 
     def pure(node: fx.Node) -> bool:
-        target = node.target
-        if node.op != "call_function" or not tp.is_aten_op(target) or node not in forward or node in returned:
+        if node.op != "call_function" or not tp.is_aten_op(node.target) or node not in forward or node in returned:
             return False
-        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+        return not (_is_random(node) or _is_impure(node))
 
     # The first node computing each value, per node (value numbering in graph order).
     same: dict[fx.Node, fx.Node] = {}

@@ -10,10 +10,13 @@ is in `fxmem.buffers`; the opaque copies fxmem writes into the graphs it compile
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.fx as fx
+
+_N = TypeVar("_N")
 
 __all__ = [
     "LAYOUT_COPY",
@@ -200,8 +203,9 @@ def kernel_ops(nodes: list[fx.Node], users: list[list[int]]) -> tuple[list[bool]
     return fusible, folded
 
 
-def reach(starts: list[int], onward: Callable[[int], list[int]]) -> Iterator[int]:
-    """Each node reachable from `starts`, once, going on from a node to `onward(node)`."""
+def reach(starts: Iterable[_N], onward: Callable[[_N], Iterable[_N]]) -> Iterator[_N]:
+    """Each node (an index, or an fx node) reachable from `starts`, once, going on from a node
+    to `onward(node)`."""
     stack, seen = list(starts), set()
     while stack:
         j = stack.pop()

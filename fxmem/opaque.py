@@ -45,7 +45,7 @@ def addmm(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     then reads the addmm before it, which is split in turn, down the whole loop: every
     chunk's product is written on its own and one kernel sums them, as many at a time as it
     may read (HF GPT-2 small's (50257, 768) weight gradient: 13 products alive on a CPU with
-    that split forced, 1.2 GiB over the plan). Opaque, the op cannot be split.
+    that split forced, 1.3 GiB over the plan). Opaque, the op cannot be split.
     """
     return torch.addmm(total, a, b)
 
