@@ -34,6 +34,7 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem import kernels
 from fxmem.nodes import _is_impure, _is_random, aliased_input, retrace_views
+from fxmem.ops import storage_of
 
 __all__ = [
     "LAID_STRIDE",
@@ -73,12 +74,20 @@ def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
             continue
         if src_val.untyped_storage().nbytes() != val.untyped_storage().nbytes():
             continue  # the clone compacts a view of a larger storage: keep it
-        remap[val.untyped_storage()._cdata] = src_val.untyped_storage()._cdata
-        node.replace_all_uses_with(src)
-        gm.graph.erase_node(node)
+        _replace(node, src, remap)
     if remap:
         gm.recompile()
     return remap
+
+
+def _replace(node: fx.Node, kept: fx.Node, remap: dict[int, int]) -> None:
+    """Read `kept` wherever `node` was read, and drop `node`; its storage's key -> `kept`'s goes
+    into `remap` (views of `node` still carry its storage in their metadata)."""
+    gone, stays = storage_of(node), storage_of(kept)
+    if gone is not None and stays is not None and gone != stays:
+        remap[gone] = stays
+    node.replace_all_uses_with(kept)
+    node.graph.erase_node(node)
 
 
 def merge_repeated_values(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int, int]:
@@ -127,13 +136,7 @@ def merge_repeated_values(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int,
             merged.add(node)
     remap: dict[int, int] = {}
     for node in [n for n in graph.nodes if n in merged]:
-        kept = same[node]
-        val, kept_val = node.meta.get("val"), kept.meta.get("val")
-        if isinstance(val, torch.Tensor) and isinstance(kept_val, torch.Tensor):
-            if val.untyped_storage()._cdata != kept_val.untyped_storage()._cdata:
-                remap[val.untyped_storage()._cdata] = kept_val.untyped_storage()._cdata
-        node.replace_all_uses_with(kept)
-        graph.erase_node(node)
+        _replace(node, same[node], remap)
     if merged:
         gm.recompile()
     return remap

@@ -943,7 +943,7 @@ def test_inductor_floor_holds_the_budget(make, within):
     dead before the concatenation computes them, were predicted 7% under the measured peak of
     one block over 257 tokens (two blocks broke the budget). The plans made since keep those
     sums off the peak there, so the block runs over 65 tokens: five groups of heads to compile
-    where 257 tokens made seventeen (30 s of the suite's time where that took 86)."""
+    where 257 tokens made seventeen (23 s of the suite's time where that took 86)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, batch = make()
