@@ -41,7 +41,10 @@ def _qkv(dtype=torch.float32, kv_heads=H, seed=0):
     return q, k, v
 
 
-CAUSAL = torch.tril(torch.ones(T, T, dtype=torch.bool))
+def causal() -> torch.Tensor:
+    """The (T, T) causal mask, made per test: a tensor kept at module level would be alive
+    through every test of the worker."""
+    return torch.tril(torch.ones(T, T, dtype=torch.bool))
 
 
 def _swap(fn, *args, **kwargs):
@@ -147,7 +150,7 @@ def _additive(dtype=torch.float32):
     g = torch.Generator().manual_seed(2)
     pad = torch.rand(B, 1, 1, T, generator=g) < 0.2
     pad[..., 0] = False  # every row attends to something
-    mask = torch.zeros(B, 1, T, T).masked_fill(pad | ~CAUSAL, torch.finfo(dtype).min)
+    mask = torch.zeros(B, 1, T, T).masked_fill(pad | ~causal(), torch.finfo(dtype).min)
     return mask.to(dtype)
 
 
@@ -157,7 +160,7 @@ def _additive(dtype=torch.float32):
      fp32_softmax_cast_back],
 )  # fmt: skip
 def test_bool_masked_forms_swap_and_are_exact(fn):
-    mask = CAUSAL.float() if fn is nanogpt_mul else CAUSAL  # nanoGPT compares a float buffer with 0
+    mask = causal().float() if fn is nanogpt_mul else causal()  # nanoGPT compares a float buffer with 0
     gm = _check(fn, *_qkv(), mask)
     (sdpa,) = calls(gm, F.scaled_dot_product_attention)
     assert sdpa.kwargs["attn_mask"] is not None
@@ -189,14 +192,14 @@ def test_a_fill_that_does_not_drop_the_score_is_refused(fill):
         att = ((q @ k.transpose(-2, -1)) * D**-0.5).masked_fill(~causal, fill)
         return F.softmax(att, dim=-1) @ v
 
-    gm, _, fired = _swap(fn, *_qkv(), CAUSAL)
+    gm, _, fired = _swap(fn, *_qkv(), causal())
     assert fired == 0 and not calls(gm, F.scaled_dot_product_attention)
     assert any("replaces scores" in str(r) for r in swap_sdpa.refusals), swap_sdpa.refusals
 
 
 def _left_padded(dtype=torch.float32):
     """Causal, with three pads on the left of the second sample: its first three rows keep no key."""
-    keep = CAUSAL.expand(B, 1, T, T).clone()
+    keep = causal().expand(B, 1, T, T).clone()
     keep[1, ..., :3] = False
     return keep, torch.zeros(B, 1, T, T).masked_fill(~keep, torch.finfo(dtype).min)
 
@@ -275,7 +278,7 @@ def test_a_buffer_mask_is_checked_only_when_every_row_keeps_a_key():
     keep, _ = _left_padded()
     _swap_compiled(_KeepMasked(keep), *_qkv())  # exact (asserted inside)
 
-    band = CAUSAL & ~torch.tril(torch.ones(T, T, dtype=torch.bool), diagonal=-4)  # not causal: a mask tensor
+    band = causal() & ~torch.tril(torch.ones(T, T, dtype=torch.bool), diagonal=-4)  # not causal: a mask tensor
     module = _KeepMasked(band.expand(B, 1, T, T).clone())
     node = _swap_compiled(module, *_qkv())
     assert node.kwargs["attn_mask"] is not None and node.kwargs["is_causal"] is False
@@ -290,12 +293,12 @@ def test_a_buffer_mask_is_checked_only_when_every_row_keeps_a_key():
 
 def test_fp32_softmax_cast_back_in_bf16():
     q, k, v = _qkv(torch.bfloat16)
-    gm, ex, fired = _swap(fp32_softmax_cast_back, q, k, v, CAUSAL)
+    gm, ex, fired = _swap(fp32_softmax_cast_back, q, k, v, causal())
     assert fired == 1, swap_sdpa.refusals
     (sdpa,) = calls(gm, F.scaled_dot_product_attention)
     assert sdpa.meta["example_value"].dtype == torch.bfloat16
     # bf16 rounds differently inside the fused kernel: compare loosely
-    _assert_exact(fp32_softmax_cast_back, (q, k, v, CAUSAL), gm, ex, tol=2e-2)
+    _assert_exact(fp32_softmax_cast_back, (q, k, v, causal()), gm, ex, tol=2e-2)
 
 
 def test_fp32_softmax_not_cast_back_is_refused():
@@ -391,12 +394,12 @@ def test_weights_returned_are_not_rewritten():
         return att @ v, att
 
     q, k, v = _qkv()
-    gm, ex, fired = _swap(fn, q, k, v, CAUSAL)
+    gm, ex, fired = _swap(fn, q, k, v, causal())
     assert fired == 0
     assert not calls(gm, F.scaled_dot_product_attention)
     assert any("also used outside" in reason for _, _, reason in swap_sdpa.refusals), swap_sdpa.refusals
     y, att = run_graph(gm, ex)
-    y_ref, att_ref = fn(q, k, v, CAUSAL)
+    y_ref, att_ref = fn(q, k, v, causal())
     assert torch.equal(y, y_ref) and torch.equal(att, att_ref)
 
 
@@ -718,7 +721,7 @@ def test_a_buffer_mask_that_is_not_causal_stays_a_mask():
 
 
 def test_a_mask_passed_with_the_batch_is_not_assumed_causal():
-    node = _swap_compiled(nanogpt_mul, *_qkv(), CAUSAL)  # causal values, but an input: may change
+    node = _swap_compiled(nanogpt_mul, *_qkv(), causal())  # causal values, but an input: may change
     assert node.kwargs["is_causal"] is False and node.kwargs["attn_mask"] is not None
 
 
