@@ -9,11 +9,11 @@ import warnings
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 import fxmem
 from fxmem import partition
 from fxmem.cost import measure_rates
+from fxmem.measure import _storage as storage_counted
 from fxmem.testing import GPT, GPTConfig, gpt_batch
 
 # The repository root: tests build the benchmarks' models (`benchmarks.*`) rather than copies.
@@ -49,19 +49,17 @@ def _collect_and_freeze() -> None:
 
 
 def _holds_memory(t: torch.Tensor) -> bool:
-    """Whether t has memory of its own: not a fake or meta tensor (the ones compiling keeps in
-    its shape environments, which outlive `torch._dynamo.reset()`)."""
+    """Whether `measure` would count t's storage (fake and meta tensors, which compiling keeps
+    in its shape environments past `torch._dynamo.reset()`, it does not)."""
     try:
-        return not isinstance(t, FakeTensor) and not t.is_meta and t.untyped_storage().data_ptr() != 0
+        device = t.device
     except Exception:  # noqa: BLE001 - tensor subclasses that refuse: counted as holding memory
         return True
+    return storage_counted(t, device) is not None
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _survivors_frozen():
-    import torch._dynamo  # noqa: F401 - what compiling imports, frozen with the rest
-    import torch._inductor.compile_fx  # noqa: F401
-
     _collect_and_freeze()
     yield
     gc.unfreeze()
