@@ -61,7 +61,7 @@ from benchmarks._models import Batch  # noqa: E402
 from benchmarks._records import MiB, machine_line  # noqa: E402
 from fxmem.testing import ConvNet, UNet  # noqa: E402
 
-__all__ = ["main"]
+__all__ = ["main", "mobilenetv2"]
 
 GRAD_FACTOR = 10  # fxmem's gradient error against fp64's, at most this many times eager's
 
@@ -105,6 +105,23 @@ class _SiLUStack(nn.Module):
         return F.cross_entropy(self.head(x.mean((2, 3))), labels)
 
 
+def mobilenetv2(blocks: int = 16) -> tuple[nn.Module, Batch]:
+    """hf-mobilenetv2 with the first `blocks` of its 16 inverted residual blocks; its last 1x1
+    convolution reads the last block kept."""
+    model = _HFVision("MobileNetV2", image_size=96, depth_multiplier=0.35, classifier_dropout_prob=0.0)
+    body = model.net.mobilenet_v2
+    if blocks < len(body.layer):
+        body.layer = body.layer[:blocks]
+        last = body.conv_1x1
+        body.conv_1x1 = type(last)(
+            model.net.config,
+            in_channels=body.layer[-1].reduce_1x1.convolution.out_channels,
+            out_channels=last.convolution.out_channels,
+            kernel_size=1,
+        )
+    return model, _images(16, 96)
+
+
 _STAGES = {"hidden_sizes": [16, 32, 64, 64], "depths": [1, 1, 1, 1]}
 
 
@@ -116,10 +133,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
     "hf-resnet": lambda: (_HFVision("ResNet", embedding_size=16, **_STAGES), _images()),
     "hf-convnext": lambda: (_HFVision("ConvNext", **_STAGES), _images()),
     "hf-regnet": lambda: (_HFVision("RegNet", embedding_size=16, groups_width=8, **_STAGES), _images()),
-    "hf-mobilenetv2": lambda: (
-        _HFVision("MobileNetV2", image_size=96, depth_multiplier=0.35, classifier_dropout_prob=0.0),
-        _images(16, 96),
-    ),
+    "hf-mobilenetv2": lambda: mobilenetv2(),
     "silu-stack": lambda: (_SiLUStack(), (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,)))),
     "unet": lambda: (UNet(), (torch.randn(8, 3, 96, 96), torch.randn(8, 3, 96, 96))),
 }
