@@ -104,6 +104,21 @@ def grads_of(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def floor_plan(model, batch, **options) -> tuple[int, fxmem.Plan]:
+    """fxmem's floor for this step and its plan there, from the BudgetError of an impossible
+    budget: planned, nothing compiled. `batch` is the example inputs (a tuple, or a dict of
+    keyword arguments). The error itself is dropped: its traceback holds the planning frames'
+    tensors, which would count as live at the next planning."""
+    try:
+        fxmem.optimize(model, 1e-6, example_inputs=batch, **options)
+    except fxmem.BudgetError as err:
+        found = err.floor_bytes, err.plan
+    else:
+        raise AssertionError("a 1 KiB budget was accepted")
+    gc.collect()
+    return found
+
+
 def zero_grads(model) -> None:
     for p in model.parameters():
         p.grad = None

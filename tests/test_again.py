@@ -4,11 +4,10 @@ readers, and saved residuals computed a second time below the floor of recomputi
 from __future__ import annotations
 
 import copy
-import gc
 
 import pytest
 import torch
-from conftest import grads_of, max_rel_err, small_gpt, spy_on_partition, step, zero_grads
+from conftest import floor_plan, grads_of, max_rel_err, small_gpt, spy_on_partition, step, zero_grads
 
 import fxmem
 from fxmem import partition
@@ -25,19 +24,6 @@ DEEP_GPT = GPTConfig(vocab_size=2048, block_size=256, n_layer=6, n_head=2, n_emb
 def _deep_gpt():
     torch.manual_seed(0)
     return GPT(DEEP_GPT), gpt_batch(DEEP_GPT, 2, 256)
-
-
-def _floor(model, batch) -> tuple[int, fxmem.Plan]:
-    """The floor and its plan. The error itself is dropped: its traceback holds the planning
-    frames' tensors, which would count as live at the next planning."""
-    try:
-        fxmem.optimize(model, 1e-6, example_inputs=batch)
-    except fxmem.BudgetError as err:
-        found = err.floor_bytes, err.plan
-    else:
-        raise AssertionError("a 1 KiB budget was accepted")
-    gc.collect()
-    return found
 
 
 def test_late_readers_read_a_backward_copy(monkeypatch):
@@ -77,10 +63,10 @@ def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch, one_t
     step(model, *batch)
     ref = grads_of(model)
     zero_grads(model)
-    floor, plan = _floor(model, batch)
+    floor, plan = floor_plan(model, batch)
     with monkeypatch.context() as patch:
         patch.setattr(partition, "_second_recomputation", lambda *a, **k: None)
-        once, once_plan = _floor(model, batch)
+        once, once_plan = floor_plan(model, batch)
     assert floor < once
     assert plan.second_recomputation["dropped"] and not once_plan.second_recomputation
 
@@ -112,7 +98,7 @@ def test_a_value_computed_a_second_time_is_made_from_values_still_saved(monkeypa
     planner walked through."""
     seen = spy_on_partition(monkeypatch, "_second_recomputation")
     model, batch = _deep_gpt()
-    _floor(model, batch)
+    floor_plan(model, batch)
     jg, trajectory = seen[-1]
     min_bytes = trajectory.peak(trajectory.smallest) // partition._SECOND_MIN_SHARE
     index = {node.name: i for i, node in enumerate(jg.nodes)}
@@ -142,7 +128,7 @@ def test_a_saved_plan_with_a_second_recomputation_is_applied(tmp_path, one_threa
     step(model, *batch)
     ref = grads_of(model)
     zero_grads(model)
-    floor, plan = _floor(model, batch)  # the plan at the floor: it computes values twice
+    floor, plan = floor_plan(model, batch)  # the plan at the floor: it computes values twice
     assert plan.second_recomputation["dropped"]
     plan.save(tmp_path, files=False)
     # (more budget: the gradients kept to compare with are live tensors now)
@@ -223,7 +209,7 @@ def test_below_the_floor_with_backward_copies_the_graph_without_them_is_planned(
     with_copies = loose.plan.unconstrained_peak_bytes  # its floor too: nothing lowers it
     zero_grads(model)
     model.load_state_dict(state)
-    budget = _floor(model, batch)[0]
+    budget = floor_plan(model, batch)[0]
     assert budget < 0.6 * with_copies, (budget, with_copies)
     m = fxmem.optimize(model, budget / 2**30, example_inputs=batch)
     step(m, *batch)

@@ -16,7 +16,16 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_same_step, dropout_blocks_runs, grads_of, max_rel_err, small_gpt, step, zero_grads
+from conftest import (
+    assert_same_step,
+    dropout_blocks_runs,
+    floor_plan,
+    grads_of,
+    max_rel_err,
+    small_gpt,
+    step,
+    zero_grads,
+)
 
 import fxmem
 
@@ -39,12 +48,6 @@ def _eager(model, batch):
     return m, ref
 
 
-def _floor(model, batch, **kw) -> int:
-    with pytest.raises(fxmem.BudgetError) as e:
-        fxmem.optimize(model, 1e-6, example_inputs=batch, **kw)
-    return e.value.floor_bytes
-
-
 @pytest.mark.parametrize(
     "passes, where",
     [((), "floor"), (None, "floor"), ((), "half of eager's activations")],
@@ -54,7 +57,7 @@ def test_budget_holds_on_cuda(passes, where):
     model, batch = _on_cuda()
     eager, ref = _eager(model, batch)
     if where == "floor":
-        budget = _floor(model, batch, passes=passes)
+        budget = floor_plan(model, batch, passes=passes)[0]
     else:  # what is alive at entry (parameters, batch, workspaces) is no activation
         budget = eager.entry_bytes + (eager.peak_bytes - eager.entry_bytes) // 2
     m = fxmem.optimize(model, (budget + 0.5) / 2**30, example_inputs=batch, passes=passes)

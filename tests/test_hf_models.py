@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import grads_of, max_rel_err, spy_on_partition, step, zero_grads
+from conftest import floor_plan, grads_of, max_rel_err, spy_on_partition, step, zero_grads
 from fxmem.passes.chunked_attention import _runs_math
 
 import fxmem
@@ -176,9 +176,7 @@ def test_floor_below_where_the_walks_stall(monkeypatch):
 
 
 def _floor_mib(model, kwargs, compiler: str, keep_outputs: bool = True) -> float:
-    with pytest.raises(fxmem.BudgetError) as err:
-        fxmem.optimize(model, 1e-6, example_inputs=kwargs, compiler=compiler, keep_outputs=keep_outputs)
-    return err.value.floor_bytes / MiB
+    return floor_plan(model, kwargs, compiler=compiler, keep_outputs=keep_outputs)[0] / MiB
 
 
 def _zoo_at_fixed_rates(monkeypatch, name: str):

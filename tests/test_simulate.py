@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_same_step, dropout_blocks_runs, grads_of, max_rel_err, small_gpt, step
+from conftest import assert_same_step, dropout_blocks_runs, floor_plan, grads_of, max_rel_err, small_gpt, step
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -46,11 +46,7 @@ def _capture_emits(monkeypatch):
 
 
 def _floor_gb(model, batch):
-    try:
-        fxmem.optimize(model, 1e-6, compiler="eager", example_inputs=batch)
-    except fxmem.BudgetError as err:
-        return err.floor_bytes / 2**30
-    raise AssertionError("a 1 KiB budget was accepted")
+    return floor_plan(model, batch, compiler="eager")[0] / 2**30
 
 
 @pytest.mark.parametrize("budget_gb", [1.0, "floor"])
