@@ -77,7 +77,11 @@ def simulate(
     static = jg.primal_storages
     kept_end = jg.kept_to_end
     released = _let_go(jg, kept_end)
-    saved_sids = {storage[i] for i in fwd_order if saved[i]} - static
+    # A value saved for no reader in the backward (nor a recomputed one) is not saved: the
+    # forward returns only what those read (see `emit.emit_graphs`).
+    read_back = {j for i in bwd_order for j in jg.inputs[i]}
+    rset = set(recomputed)
+    saved_sids = {storage[i] for i in fwd_order if saved[i] and i in read_back and i not in rset} - static
     saved_sids.discard(-1)
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
@@ -94,7 +98,6 @@ def simulate(
     kept_b = saved_sids | kept_end
     cost = _costs(jg, held)
     costs = (cost, _costs(jg, kept_b) if released else cost)
-    rset = set(recomputed)
     fusible = jg.fusible
 
     def inlined(i: int) -> bool:
