@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from fxmem.opaque import addmm as opaque_addmm
-from fxmem.opaque import rows as copy_rows
+from fxmem.opaque import row_chunks
 from fxmem.ops import example_value, static_shape
 from fxmem.outputs import output_values, return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
@@ -176,9 +176,8 @@ class _LossAndGrads(torch.autograd.Function):
         h2 = h.reshape(-1, hidden)
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
-        for start in range(0, h2.shape[0], chunk_rows):
-            n = min(chunk_rows, h2.shape[0] - start)
-            hc, yc, vc = h2[start : start + n], copy_rows(y, start, n), copy_rows(valid, start, n)
+        chunks = zip(h2.split(chunk_rows), row_chunks(y, chunk_rows), row_chunks(valid, chunk_rows), strict=True)
+        for hc, yc, vc in chunks:
             logits = F.linear(hc, w_mm, b).float()  # (rows, V)
             loss, lse = _chunk_loss(logits, yc, vc)
             total = total + loss
@@ -241,10 +240,11 @@ class _LossAndLogits(torch.autograd.Function):
         g_flat = None if grad_logits is None else grad_logits.reshape(-1, vocab)
         scale = grad_loss / denominator.clamp_min(1)  # no valid row: gradients 0, as eager's
         dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
-        for start in range(0, h2.shape[0], rows):
+        per_chunk = zip(row_chunks(lse, rows), row_chunks(y, rows), row_chunks(valid, rows), strict=True)
+        for start, (lc, yc, vc) in zip(range(0, h2.shape[0], rows), per_chunk, strict=True):
             end = start + rows
             chunk = flat[start:end] if flat is not None else F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)
-            grad = _chunk_grad(chunk.float(), lse[start:end], y[start:end], valid[start:end]) * scale
+            grad = _chunk_grad(chunk.float(), lc, yc, vc) * scale
             if g_flat is not None:
                 grad = grad + g_flat[start:end].float()
             grad = grad.to(w.dtype)

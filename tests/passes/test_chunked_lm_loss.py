@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from _graphs import calls, capture, compare_with_eager, compile_with_pass, grad_err
 from conftest import grads_of, step, zero_grads
 from fxmem.passes.chunked_lm_loss import chunked_cross_entropy, chunked_lm_loss
+from torch._inductor.utils import run_and_get_code
 
 import fxmem
 from fxmem.pipeline import run_passes
@@ -371,6 +373,34 @@ def test_head_with_inductor(return_logits):
     assert m.plan.rewrites == {"chunked_lm_loss": 1}
     assert torch.allclose(got, ref, rtol=TOL)
     assert grad_err(grads_of(model), ref_grads) < 1e-4  # inductor's kernels reorder sums
+
+
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "loss-and-logits"])
+def test_the_chunks_share_their_kernels_under_inductor(return_logits):
+    """Each chunk reads its targets (and, in a backward working chunk by chunk, its log-sum-exps)
+    from a buffer of its own (`fxmem.opaque.row_chunks`): read through a slice, the chunk's row
+    offset is written into its kernels' code, and each of the 5 chunks compiles kernels of its
+    own (an LM returning its logits, 32 chunks: 40 kernels in all and a 36 s first call on 2
+    CPU cores; 10 kernels and 24 s so)."""
+    torch.manual_seed(0)
+    model = Head(vocab=80, bias=True, return_logits=return_logits)  # 5 chunks of 10 rows
+    x, y = _batch(vocab=80, ignore=-100)
+    ref = model(x, y)
+    (ref[0] if return_logits else ref).backward()
+    ref_grads = grads_of(model)
+    zero_grads(model)
+    m = fxmem.optimize(model, 4.0, passes=("chunked_lm_loss",))
+
+    def train():
+        out = m(x, y)
+        (out[0] if return_logits else out).backward()
+
+    _, codes = run_and_get_code(train)
+    assert m.plan.rewrites == {"chunked_lm_loss": 1}
+    assert grad_err(grads_of(model), ref_grads) < 1e-4  # inductor's kernels reorder sums
+    # One kernel exponentiates each chunk's logits, whichever chunk it is called for.
+    exps = {name for code in codes for name in re.findall(r"^(cpp_fused\w*_exp_\w*) = ", code, re.M)}
+    assert len(exps) == 1, sorted(exps)
 
 
 def test_the_weight_gradient_sum_stays_two_buffers_where_inductor_splits_addmm(monkeypatch):
