@@ -133,7 +133,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Batch]]] = {
     "hf-resnet": lambda: (_HFVision("ResNet", embedding_size=16, **_STAGES), _images()),
     "hf-convnext": lambda: (_HFVision("ConvNext", **_STAGES), _images()),
     "hf-regnet": lambda: (_HFVision("RegNet", embedding_size=16, groups_width=8, **_STAGES), _images()),
-    "hf-mobilenetv2": lambda: mobilenetv2(),
+    "hf-mobilenetv2": mobilenetv2,
     "silu-stack": lambda: (_SiLUStack(), (torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,)))),
     "unet": lambda: (UNet(), (torch.randn(8, 3, 96, 96), torch.randn(8, 3, 96, 96))),
 }

@@ -240,8 +240,8 @@ class _LossAndLogits(torch.autograd.Function):
         g_flat = None if grad_logits is None else grad_logits.reshape(-1, vocab)
         scale = grad_loss / denominator.clamp_min(1)  # no valid row: gradients 0, as eager's
         dh_parts, dw, db, w_mm = [], None, None, _matmul_weight(w)
-        per_chunk = zip(row_chunks(lse, rows), row_chunks(y, rows), row_chunks(valid, rows), strict=True)
-        for start, (lc, yc, vc) in zip(range(0, h2.shape[0], rows), per_chunk, strict=True):
+        lses, ys, valids = (row_chunks(t, rows) for t in (lse, y, valid))
+        for start, lc, yc, vc in zip(range(0, h2.shape[0], rows), lses, ys, valids, strict=True):
             end = start + rows
             chunk = flat[start:end] if flat is not None else F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)
             grad = _chunk_grad(chunk.float(), lc, yc, vc) * scale
