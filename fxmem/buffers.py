@@ -58,7 +58,8 @@ _LAID_OUT_READERS = {
 
 def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlinable: list[bool]) -> set[int]:
     """Element-wise values on CPU, loaded from one buffer, that no library call reads but
-    attention kernels: inductor stores none of them. Each attention call that reads one gets
+    attention kernels, directly or through views (OPT's scaled queries, viewed per head and
+    transposed): inductor stores none of them. Each attention call that reads one gets
     a copy in its own layout, made right before the call and freed after it, and what the
     value is computed from lives until the last such call. A value recomputed in the backward
     for the forward attention and read again by the attention's backward (HF Llama's values, a
@@ -69,10 +70,10 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
     values stored (read by a library call); the caller unmarks them. `graph`: (nodes, inputs,
     users, storage)."""
     nodes, inputs, users, storage = graph
-    holders: dict[int, int] = {}
-    for s in storage:
+    holders: dict[int, list[int]] = {}  # storage -> the value and its views, in graph order
+    for j, s in enumerate(storage):
         if s >= 0:
-            holders[s] = holders.get(s, 0) + 1
+            holders.setdefault(s, []).append(j)
     loads = [0] * len(nodes)  # loads in the element-wise code computing each value
     copied: set[int] = set()
     for i, n in enumerate(nodes):
@@ -80,14 +81,16 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
         if s < 0 or not inlinable or not inlinable[i]:
             continue
         loads[i] = sum(1 if mat[storage[j]] or not inlinable[j] else loads[j] for j in inputs[i] if storage[j] >= 0)
+        if holders[s][0] != i:
+            continue  # a view of a value: judged with it
+        readers = [u for j in holders[s] for u in users[j] if storage[u] != s]
         val = n.meta.get("val")
-        library = [u for u in users[i] if not fusible[u]]
+        library = [u for u in readers if not fusible[u]]
         if (
             loads[i] <= 1
-            and holders[s] == 1  # no view of it: each reader reads the value itself
             and library
             and all(op_name(nodes[u]) in _LAID_OUT_READERS for u in library)
-            and not any(op_name(nodes[u]) in _STRIDED_READS for u in users[i])
+            and not any(op_name(nodes[u]) in _STRIDED_READS for j in holders[s] for u in users[j])
             and op_name(n) not in _WRITTEN_OUT
             and not n.meta.get(LAYOUT_COPY)
             and isinstance(val, torch.Tensor)

@@ -22,7 +22,7 @@ from fxmem.cost import CostModel
 from fxmem.nodes import transient_bytes
 from fxmem.probe import workspace_bytes
 from fxmem.sides import BWD, FWD, PRIMAL, TANGENT, run_once, sides
-from fxmem.storages import node_storages
+from fxmem.storages import concatenated_in_place, node_storages
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "JointGraph"]
 
@@ -94,6 +94,9 @@ class JointGraph:
 
         is_sym = [tp.is_sym_node(n) for n in nodes]
         storage, storage_bytes = node_storages(nodes, storage_remap)
+        backward = [k == BWD for k in kind]
+        if fusing:
+            storage, storage_bytes = concatenated_in_place(nodes, users, storage, storage_bytes, backward)
 
         descs = list(out_node.meta.get("desc") or [])
         banned = run_once(nodes, index, inputs, kind, storage, flat_outs[:num_fwd_outputs], descs)
@@ -116,7 +119,6 @@ class JointGraph:
         copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:
             materialized[storage[i]] = False
-        backward = [k == BWD for k in kind]
         stored_on_reuse = (
             buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
         )

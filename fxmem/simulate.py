@@ -286,7 +286,7 @@ def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
     for v in jg.copied_per_reader:
         s = jg.storage[v]
         if s not in held:
-            for u in jg.users[v]:
+            for u in jg.storage_readers[s]:
                 if not jg.fusible[u]:
                     out[u] = out.get(u, 0) + jg.storage_bytes[s]
     return out
@@ -375,9 +375,9 @@ def _reads_in_place_asking(jg: JointGraph, i: int, maker: int, is_unstored: Call
     want, made = layouts[i], layouts[maker]
     if want is None or made is None:
         return False
-    if op_name(jg.nodes[maker]) in NEVER_WRITTEN_OVER:
-        return False
     r = jg.storage[maker]
+    if any(op_name(jg.nodes[j]) in NEVER_WRITTEN_OVER for j in jg.storage_nodes[r]):
+        return False  # made by, or written into, such a buffer
     if want != made:
         # one a reshape of the other: as many elements, both dense and row-major
         if jg.dense_numel[i] < 0 or jg.dense_numel[i] != jg.dense_numel[maker] or _reduced(jg, r, is_unstored):

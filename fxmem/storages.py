@@ -8,14 +8,16 @@ update are not what a recomputation after it would read.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from fxmem.kernels import op_name
 from fxmem.nodes import aliased_input
 
-__all__ = ["node_storages", "written_storages"]
+__all__ = ["concatenated_in_place", "node_storages", "written_storages"]
 
 
 def node_storages(nodes: list[fx.Node], storage_remap: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
@@ -75,6 +77,49 @@ def _merge_view_storages(
     with a fake value of its own storage: `expand(div)` then looks like a second copy of `div`,
     and a plan saving both would be charged twice for memory that exists once.
     """
+    index = {n: i for i, n in enumerate(nodes)}
+    pairs = []
+    for i, n in enumerate(nodes):
+        base = aliased_input(n) if n.op == "call_function" else None
+        j = index.get(base) if base is not None else None
+        if j is not None and storage[i] >= 0 and storage[j] >= 0:
+            pairs.append((storage[j], storage[i]))
+    return _merged(pairs, storage, storage_bytes)
+
+
+# Library matmuls whose output inductor writes straight into the buffer of a concatenation
+# that reads it (`ConcatKernel.realize_into`: an extern kernel's output of flexible layout).
+_WRITTEN_INTO_CONCATENATION = {"mm", "bmm", "addmm", "baddbmm"}
+
+
+def concatenated_in_place(
+    nodes: list[fx.Node], users: list[list[int]], storage: list[int], storage_bytes: list[int], backward: list[bool]
+) -> tuple[list[int], list[int]]:
+    """Under a fusing compiler: give a matmul of the backward that a concatenation alone reads
+    the concatenation's storage. Inductor makes the concatenation's buffer before the first
+    such matmul runs and has each write its part of it (the chunked LM loss's gradients of
+    its input, chunk by chunk), so the buffer lives from the first matmul and the matmuls' own
+    outputs are never buffers of their own. Only in the backward: a forward concatenation
+    the backward computes again from saved parts would copy them into a buffer of its own."""
+    holders = Counter(storage)
+    pairs = []
+    for i, n in enumerate(nodes):
+        if (
+            backward[i]
+            and storage[i] >= 0
+            and op_name(n) in _WRITTEN_INTO_CONCATENATION
+            and len(users[i]) == 1
+            and op_name(nodes[users[i][0]]) == "cat"
+            and backward[users[i][0]]
+            and holders[storage[i]] == 1  # no view of it: the concatenation reads it as made
+        ):
+            pairs.append((storage[users[i][0]], storage[i]))
+    return _merged(pairs, storage, storage_bytes)
+
+
+def _merged(pairs: list[tuple[int, int]], storage: list[int], storage_bytes: list[int]) -> tuple[list[int], list[int]]:
+    """Storage ids with each pair's two storages made one, renumbered from 0 in their
+    order; a merged storage has the bytes of its largest part."""
     parent = list(range(len(storage_bytes)))
 
     def root(s: int) -> int:
@@ -83,15 +128,10 @@ def _merge_view_storages(
             s = parent[s]
         return s
 
-    index = {n: i for i, n in enumerate(nodes)}
-    for i, n in enumerate(nodes):
-        base = aliased_input(n) if n.op == "call_function" else None
-        j = index.get(base) if base is not None else None
-        if j is None or storage[i] < 0 or storage[j] < 0:
-            continue
-        a, b = root(storage[j]), root(storage[i])
+    for x, y in pairs:
+        a, b = root(x), root(y)
         if a != b:
-            parent[max(a, b)] = min(a, b)  # the earlier storage (the base) names the group
+            parent[max(a, b)] = min(a, b)  # the earlier storage (a view's base) names the group
     if all(parent[s] == s for s in range(len(parent))):
         return storage, storage_bytes
     new_id: dict[int, int] = {}

@@ -314,9 +314,10 @@ def test_a_gather_by_integer_indices_is_fused_into_the_kernel_beside_it(monkeypa
     _held_as_predicted(model, kwargs, _floor_mib(model, kwargs, "inductor"), "inductor", ref, within=0.005)
 
 
-def _loss_only_at_floor(model, kwargs):
+def _loss_only_at_floor(model, kwargs, zero: float = 1e-12):
     """`fxmem.optimize` (inductor, keep_outputs=False) 3% above its floor for a step that keeps
-    only the loss: the plan, one measured step and the gradients' worst error against eager."""
+    only the loss: the plan, one measured step and the gradients' worst error against eager
+    (`zero`: as `max_rel_err`'s)."""
 
     def loss_only(m):
         loss = m(**kwargs).loss
@@ -332,7 +333,7 @@ def _loss_only_at_floor(model, kwargs):
     loss_only(m)  # plans and compiles
     zero_grads(model)
     got = fxmem.measure(loss_only, m)
-    return m.plan, got, max_rel_err(grads_of(model), ref)
+    return m.plan, got, max_rel_err(grads_of(model), ref, zero)
 
 
 def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monkeypatch):
@@ -376,6 +377,41 @@ def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
     ids = torch.randint(0, VOCAB, (8, BATCH[1]))
     plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
     assert plan.rewrites["fuse_projections"] == 4  # per layer: q, k, v; gate, up
+    predicted = plan.predicted_peak_bytes
+    assert got.peak_bytes <= plan.budget_bytes
+    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
+    assert err < 1e-4
+
+
+def test_opt_is_planned_exactly_under_inductor():
+    """Two things of inductor's the plan follows in OPT, each a part of the measured peak.
+    OPT scales its queries before viewing them per head and transposing them for the
+    attention; inductor stores the scaled queries nowhere: like Llama's values, each attention
+    call copies them (through the views) into its own layout, and the fused projection they
+    are a slice of lives from the attention computed again in the backward to the attention's
+    backward. Counted as one stored value, the prediction was 8% under the measured peak. And
+    the chunked loss's gradients of its input, one matmul per chunk, are written into the
+    buffer of their concatenation, made before the first: counted as buffers of their own and
+    that one too, the prediction was 2.5% over."""
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        max_position_embeddings=BATCH[1],
+        word_embed_proj_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.OPTForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model.train()
+    ids = torch.randint(0, VOCAB, BATCH)
+    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids}, zero=1e-6)
     predicted = plan.predicted_peak_bytes
     assert got.peak_bytes <= plan.budget_bytes
     assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
