@@ -314,10 +314,11 @@ def test_a_gather_by_integer_indices_is_fused_into_the_kernel_beside_it(monkeypa
     _held_as_predicted(model, kwargs, _floor_mib(model, kwargs, "inductor"), "inductor", ref, within=0.005)
 
 
-def _loss_only_at_floor(model, kwargs, zero: float = 1e-12):
+def _planned_exactly_at_floor(model, ids: torch.Tensor, zero: float = 1e-12):
     """`fxmem.optimize` (inductor, keep_outputs=False) 3% above its floor for a step that keeps
-    only the loss: the plan, one measured step and the gradients' worst error against eager
-    (`zero`: as `max_rel_err`'s)."""
+    only the loss on `ids`: one measured step holds the budget and is within 0.5% of the plan's
+    prediction, and the gradients are eager's (`zero`: as `max_rel_err`'s). The plan."""
+    kwargs = {"input_ids": ids, "labels": ids}
 
     def loss_only(m):
         loss = m(**kwargs).loss
@@ -333,7 +334,11 @@ def _loss_only_at_floor(model, kwargs, zero: float = 1e-12):
     loss_only(m)  # plans and compiles
     zero_grads(model)
     got = fxmem.measure(loss_only, m)
-    return m.plan, got, max_rel_err(grads_of(model), ref, zero)
+    predicted = m.plan.predicted_peak_bytes
+    assert got.peak_bytes <= m.plan.budget_bytes
+    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
+    assert max_rel_err(grads_of(model), ref, zero) < 1e-4
+    return m.plan
 
 
 def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monkeypatch):
@@ -358,11 +363,7 @@ def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monke
     model = transformers.T5ForConditionalGeneration(cfg)
     model.train()
     ids = torch.randint(0, VOCAB, (8, 256))
-    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
-    predicted = plan.predicted_peak_bytes
-    assert got.peak_bytes <= plan.budget_bytes
-    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
-    assert err < 1e-4
+    _planned_exactly_at_floor(model, ids)
 
 
 def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
@@ -375,12 +376,8 @@ def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
     torch.manual_seed(0)
     model = _llama(n_layer=2, attention="sdpa", intermediate_size=128)
     ids = torch.randint(0, VOCAB, (8, BATCH[1]))
-    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
+    plan = _planned_exactly_at_floor(model, ids)
     assert plan.rewrites["fuse_projections"] == 4  # per layer: q, k, v; gate, up
-    predicted = plan.predicted_peak_bytes
-    assert got.peak_bytes <= plan.budget_bytes
-    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
-    assert err < 1e-4
 
 
 def test_opt_is_planned_exactly_under_inductor():
@@ -411,11 +408,7 @@ def test_opt_is_planned_exactly_under_inductor():
     model = transformers.OPTForCausalLM._from_config(cfg, attn_implementation="sdpa")
     model.train()
     ids = torch.randint(0, VOCAB, BATCH)
-    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids}, zero=1e-6)
-    predicted = plan.predicted_peak_bytes
-    assert got.peak_bytes <= plan.budget_bytes
-    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
-    assert err < 1e-4
+    _planned_exactly_at_floor(model, ids, zero=1e-6)
 
 
 def test_gpt_neox_is_planned_exactly_under_inductor():
@@ -442,11 +435,7 @@ def test_gpt_neox_is_planned_exactly_under_inductor():
     model = transformers.GPTNeoXForCausalLM._from_config(cfg, attn_implementation="sdpa")
     model.train()
     ids = torch.randint(0, VOCAB, BATCH)
-    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
-    predicted = plan.predicted_peak_bytes
-    assert got.peak_bytes <= plan.budget_bytes
-    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
-    assert err < 1e-4
+    _planned_exactly_at_floor(model, ids)
 
 
 def test_shared_keys_and_a_causal_mask_are_planned_exactly_under_inductor():
@@ -463,14 +452,10 @@ def test_shared_keys_and_a_causal_mask_are_planned_exactly_under_inductor():
     model = _falcon(n_layer=2)
     model.train()
     ids = torch.randint(0, VOCAB, BATCH)
-    plan, got, err = _loss_only_at_floor(model, {"input_ids": ids, "labels": ids})
+    plan = _planned_exactly_at_floor(model, ids)
     # Split where SDPA runs its math form for one key head read by four query heads (torch
     # 2.13); torch 2.15 runs its fused CPU kernel there, which keeps no weights to split.
     q, kv = torch.zeros(1, 4, 8, 16, requires_grad=True), torch.zeros(1, 1, 8, 16, requires_grad=True)
     mask = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
     split = _runs_math(q, kv, kv, mask, p=0.0, causal=False, scale=None, gqa=False)
     assert plan.rewrites["chunked_attention"] == (2 if split else 0)
-    predicted = plan.predicted_peak_bytes
-    assert got.peak_bytes <= plan.budget_bytes
-    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
-    assert err < 1e-4
