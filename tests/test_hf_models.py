@@ -411,33 +411,6 @@ def test_opt_is_planned_exactly_under_inductor():
     _planned_exactly_at_floor(model, ids, zero=1e-6)
 
 
-def test_gpt_neox_is_planned_exactly_under_inductor():
-    """GPT-NeoX's parallel residual (the attention's and the feed-forward's outputs added to
-    the layer's input), computed again in the backward, reads the saved layer input there as
-    a buffer. Read by two kernels, the sum is computed in each from its three buffers, not
-    stored: judged on the joint graph, where the layer input was code computed inline, it
-    read six, and the plan counted it stored where inductor held the two outputs. The
-    prediction was then 3.9% under the measured peak. (Its rotary embedding's gradient, placed
-    into zeros, is element-wise code too: see test_simulate's value placed into a larger one.)"""
-    torch.manual_seed(0)
-    cfg = transformers.GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=BATCH[1],
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.GPTNeoXForCausalLM._from_config(cfg, attn_implementation="sdpa")
-    model.train()
-    ids = torch.randint(0, VOCAB, BATCH)
-    _planned_exactly_at_floor(model, ids)
-
-
 def test_shared_keys_and_a_causal_mask_are_planned_exactly_under_inductor():
     """Falcon's attention, sliced by fxmem, reads one key per chunk shared by all its heads.
     Three things of inductor's the plan now follows, each a part of the measured peak: saved

@@ -406,27 +406,6 @@ def test_a_fused_kernel_holds_what_it_reads_until_it_ends():
     assert kernel_ends([False, True, False]) == [0, 1, 2]
 
 
-def test_a_value_placed_into_a_larger_one_is_computed_in_its_reader():
-    """Inductor makes slice_scatter and select_scatter element-wise code that loads from
-    either input: neither they nor the zeros they place a value into are written out when
-    fused loops alone read them (GPT-NeoX's partial rotary embedding's gradient: counted as
-    buffers, they put its floor 6% higher)."""
-
-    def f(x):
-        a = torch.full((8, 16), 0.0).slice_scatter(x.sin(), dim=1, start=0, end=8) * 2.0  # zeros, as traced
-        b = torch.full((4, 8, 8), 0.0).select_scatter(x.cos(), 0, 1) * 3.0
-        return a, b
-
-    nodes, users = _aten_graph(f, torch.randn(8, 8))
-    mat = materialized_storages(nodes, users, list(range(len(nodes))), len(nodes), *kernel_ops(nodes, users))
-    placed = [
-        i for i, n in enumerate(nodes) if str(n.target) in ("aten.slice_scatter.default", "aten.select_scatter.default")
-    ]
-    assert len(placed) == 2
-    assert not any(mat[i] for i in placed), [nodes[i].name for i in placed if mat[i]]
-    assert not any(mat[j] for i in placed for j in range(len(nodes)) if nodes[j] in nodes[i].all_input_nodes)
-
-
 def test_a_concatenation_and_a_library_calls_outputs_are_written_out():
     """A concatenation is a buffer its inputs are copied into, even when only fused loops
     read it; the outputs of a multi-output library call (topk here, attention's backward in
