@@ -27,8 +27,7 @@ def emit_graphs(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.Gr
     """The forward and backward graphs `choice` describes: the forward saves for the backward
     what `choice` saves, and the backward runs in the order `simulate` ran it."""
     recomputed = set(choice.timeline.recomputed)
-    readers = [i for i, k in enumerate(jg.kind) if k not in (FWD, PRIMAL) or i in recomputed]
-    needed = {j for i in readers for j in jg.inputs[i]}
+    needed = jg.read_back(recomputed)
     saved_values, saved_syms = [], []
     for i, node in enumerate(jg.nodes):
         if i not in needed or i in recomputed:
@@ -42,7 +41,7 @@ def emit_graphs(jg: JointGraph, choice: Choice, layout_opt: bool) -> tuple[fx.Gr
     saved_values = list(dict.fromkeys(saved_values))
     if layout_opt:
         forward = [n for n, k in zip(jg.nodes, jg.kind, strict=True) if k in (PRIMAL, FWD)]
-        backward = {jg.nodes[i] for i in readers}
+        backward = {jg.nodes[i] for i, k in enumerate(jg.kind) if k not in (FWD, PRIMAL) or i in recomputed}
         saved_values = save_as_traced(jg.gm, saved_values, forward, backward.__contains__)
     fw, bw = tp.extract_fwd_bwd(jg.gm, saved_values, saved_syms, jg.num_fwd_outputs)
     tl = choice.timeline

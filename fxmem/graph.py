@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -178,6 +179,16 @@ class JointGraph:
     @functools.cached_property
     def tangent_nodes(self) -> list[int]:
         return [i for i, k in enumerate(self.kind) if k == TANGENT]
+
+    @functools.cached_property
+    def _backward_inputs(self) -> frozenset[int]:
+        return frozenset(j for i, k in enumerate(self.kind) if k not in (FWD, PRIMAL) for j in self.inputs[i])
+
+    def read_back(self, recomputed: Iterable[int]) -> set[int]:
+        """The nodes whose values the backward reads: the inputs of its own nodes and of the
+        forward nodes it computes again (`recomputed`). Of the forward's values, the forward
+        returns only those (`emit.emit_graphs`), and only those are held to the backward."""
+        return self._backward_inputs | {j for i in recomputed for j in self.inputs[i]}
 
     @functools.cached_property
     def there_before_backward(self) -> list[bool]:

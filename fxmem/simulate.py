@@ -77,10 +77,9 @@ def simulate(
     static = jg.primal_storages
     kept_end = jg.kept_to_end
     released = _let_go(jg, kept_end)
-    # A value saved for no reader in the backward (nor a recomputed one) is not saved: the
-    # forward returns only what those read (see `emit.emit_graphs`).
-    read_back = {j for i in bwd_order for j in jg.inputs[i]}
+    # A value saved for no reader in the backward (nor a recomputed one) is not saved.
     rset = set(recomputed)
+    read_back = jg.read_back(rset)
     saved_sids = {storage[i] for i in fwd_order if saved[i] and i in read_back and i not in rset} - static
     saved_sids.discard(-1)
 
