@@ -18,7 +18,14 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem.kernels import LAYOUT_COPY, SCATTERS, op_name, reach
 
-__all__ = ["copied_per_reader", "materialized_storages", "store_reused", "stored_on_reuse"]
+__all__ = [
+    "MAX_INLINED_READS",
+    "copied_per_reader",
+    "is_heavy",
+    "materialized_storages",
+    "store_reused",
+    "stored_on_reuse",
+]
 
 
 # Fusible ops whose result is written out whoever reads it: a concatenation is a buffer its
@@ -162,7 +169,14 @@ def _scattered(
 # Ops whose value inductor stores, rather than computing it again inside every reader's
 # kernel, when several kernels read it (on CPU; see its `should_realize_on_reuse`).
 _HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
-_MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
+MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
+
+
+def is_heavy(node: fx.Node) -> bool:
+    """Whether inductor stores the value of `node`, or of element-wise code computing it, that
+    several kernels read, rather than computing it again in each (see `stored_on_reuse`)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and op_name(node) in _HEAVY_ON_CPU
 
 
 def stored_on_reuse(
@@ -185,6 +199,8 @@ def stored_on_reuse(
     comparisons, leaves the masked gradient two reads and so unstored. `backward` tells the
     nodes of the backward graph; a forward value read there counts its backward readers.
     First, values stored for the buffers they read are marked in `mat` (`_store_for_reads`).
+    The values a plan computes again in the backward are judged again by `simulate`, where
+    what that plan saves is a buffer.
     """
     _store_for_reads((nodes, inputs, users, storage), mat, inlinable, backward)
     heavy = [False] * len(nodes)
@@ -192,9 +208,7 @@ def stored_on_reuse(
     costly = [False] * len(nodes)
     reused: tuple[set[int], set[int]] = (set(), set())  # storages stored so, in the forward's graph, the backward's
     for i, n in enumerate(nodes):
-        val = n.meta.get("val")
-        on_cpu = isinstance(val, torch.Tensor) and val.device.type == "cpu"
-        h = on_cpu and op_name(n) in _HEAVY_ON_CPU
+        h = is_heavy(n)
         r, inline = _inline_reads(
             inputs[i],
             storage,
@@ -202,8 +216,8 @@ def stored_on_reuse(
             lambda j, b=backward[i]: mat[storage[j]] or not inlinable[j] or storage[j] in reused[b],
         )
         h = heavy[i] = h or any(heavy[j] for j in inline)
-        reads[i] = frozenset(sorted(r)[: _MAX_INLINED_READS + 1])
-        costly[i] = h or len(r) > _MAX_INLINED_READS
+        reads[i] = frozenset(sorted(r)[: MAX_INLINED_READS + 1])
+        costly[i] = h or len(r) > MAX_INLINED_READS
         if costly[i] and storage[i] >= 0:
             for graph in (False, True):
                 if sum(1 for u in users[i] if backward[u] == graph) > 1:

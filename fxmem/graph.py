@@ -290,6 +290,11 @@ class JointGraph:
         return [held[0] if held else -1 for held in self.storage_nodes]
 
     @functools.cached_property
+    def heavy(self) -> list[bool]:
+        """Per node, whether a value several kernels read is stored for it (`buffers.is_heavy`)."""
+        return [buffers.is_heavy(n) for n in self.nodes]
+
+    @functools.cached_property
     def storage_nodes(self) -> list[list[int]]:
         """Per storage, the nodes that hold it (its maker, then its views), in graph order."""
         nodes: list[list[int]] = [[] for _ in self.storage_bytes]

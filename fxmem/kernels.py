@@ -48,6 +48,7 @@ _STORED = {
 _FUSIBLE_NON_POINTWISE = _STORED | {
     "where", "clone", "expand", "full", "scalar_tensor", "iota", "embedding",
     "_low_memory_max_pool_offsets_to_indices",  # a max pooling's window offsets made indices
+    "slice_scatter", "select_scatter",  # a value placed in a larger one: loaded from either
 }  # fmt: skip
 # Ops whose output buffer no kernel writes its own output over when it dies there: one inductor
 # fills by scattering into it (a mutation: a max pooling's gradient, scattered), and a

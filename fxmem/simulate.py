@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fxmem.buffers import MAX_INLINED_READS
 from fxmem.graph import JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.nodes import transient_bytes
@@ -99,13 +100,30 @@ def simulate(
     costs = (cost, _costs(jg, kept_b) if released else cost)
     fusible = jg.fusible
 
-    def inlined(i: int) -> bool:
+    # The element-wise code computing each recomputed value inline in the backward: (applies a
+    # heavy op, the stored buffers it reads). Saved values and those the backward does not
+    # compute again are buffers there; the plan decides which (`buffers.stored_on_reuse`
+    # judges on the joint graph, where a value saved here may be code computed inline).
+    chains: dict[int, tuple[bool, frozenset[int]]] = {}
+    inline_at: dict[int, bool] = {}
+
+    def judge(i: int) -> bool:
         """A recomputed value a fusing compiler never writes out: it is not materialised,
         and the fusible ops that read it in the backward each compute it inside their own
-        kernel (a value several kernels read is stored when it is costly: see
-        buffers.stored_on_reuse)."""
+        kernel (a value several kernels read is stored when its code is costly: see
+        buffers.stored_on_reuse). The values it reads are judged first."""
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
+        heavy, reads = jg.heavy[i], set()
+        for j in jg.inputs[i]:
+            if storage[j] < 0:
+                continue
+            if inline_at.get(j):
+                h, r = chains[j]
+                heavy, reads = heavy or h, reads | r
+            else:
+                reads.add(storage[j])
+        chains[i] = (heavy, frozenset(sorted(reads)[: MAX_INLINED_READS + 1]))
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
         # Its readers and its views' (a view of a value computed inline is computed inline):
@@ -118,7 +136,15 @@ def simulate(
                 if not fusible[u]:
                     return False
                 readers += 1
-        return readers <= 1 or not jg.stored_on_reuse[i]
+        return readers <= 1 or not reads or not (heavy or len(reads) > MAX_INLINED_READS)
+
+    if jg.fusible:
+        for i in sorted(rset):  # graph order: a value's inputs before it
+            inline_at[i] = judge(i)
+
+    def inlined(i: int) -> bool:
+        """Whether the backward computes recomputed value `i` inline (see `judge`)."""
+        return inline_at.get(i, False)
 
     if jg.fusible:
         _extend_through_unstored(jg, order, boundary, last_f, last_b, costs, rset, inlined)
