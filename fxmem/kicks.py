@@ -23,10 +23,9 @@ __all__ = ["kicked"]
 
 # `kicked` may simulate as often as the walk it starts from did, or on a short walk this many
 # nodes' worth of simulation, between the least and most simulations below (and no more than
-# `capped` allows): a swap that lowers the peak can be a hundred trials in, and on a graph of a
-# thousand nodes two hundred simulations take about a quarter of a second
-_KICK_NODE_STEPS = 200_000
-_KICK_SIMULATIONS = (50, 200)
+# `capped` allows): a swap that lowers the peak can be ninety trials in (Llama's 850 nodes)
+_KICK_NODE_STEPS = 100_000
+_KICK_SIMULATIONS = (50, 120)
 
 
 def kicked(
@@ -44,7 +43,7 @@ def kicked(
     saved. Where none ends lower, a swap that lowers the peak at once (`_swapped`) is walked
     on from, the value it saves kept saved. Kicks and swaps together simulate at most as often
     as the walk to `states` did (`walked_for` times), or, on a short walk, as `_KICK_NODE_STEPS`
-    allows (50 to 200 times): they cost about as much planning time again, or a fraction of a
+    allows (50 to 120 times): they cost about as much planning time again, or a fraction of a
     second. On large graphs (tens of thousands of nodes, where a walk takes minutes) `capped`
     bounds it lower."""
     best = min(states, key=lambda c: c.timeline.peak_bytes)
