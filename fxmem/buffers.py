@@ -10,7 +10,7 @@ inline is in `fxmem.kernels`. Each rule was checked against inductor's generated
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,8 +19,9 @@ from fxmem import _torch_private as tp
 from fxmem.kernels import LAYOUT_COPY, SCATTERS, op_name, reach
 
 __all__ = [
-    "MAX_INLINED_READS",
     "copied_per_reader",
+    "inline_code",
+    "is_costly",
     "is_heavy",
     "materialized_storages",
     "store_reused",
@@ -135,7 +136,10 @@ def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backw
 
 
 def _inline_reads(
-    inputs: list[int], storage: list[int], reads: list[frozenset[int]], is_buffer: Callable[[int], bool]
+    inputs: list[int],
+    storage: list[int],
+    reads: Mapping[int, frozenset[int]] | Sequence[frozenset[int]],
+    is_buffer: Callable[[int], bool],
 ) -> tuple[set[int], list[int]]:
     """The stored buffers a node with these inputs reads, directly or through the values its
     kernel computes inline (their own `reads`), and those inline inputs; `is_buffer(j)`: input
@@ -179,6 +183,27 @@ def is_heavy(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type == "cpu" and op_name(node) in _HEAVY_ON_CPU
 
 
+def inline_code(
+    own_heavy: bool,
+    inputs: list[int],
+    storage: list[int],
+    reads: Mapping[int, frozenset[int]] | Sequence[frozenset[int]],
+    heavy: Mapping[int, bool] | Sequence[bool],
+    is_buffer: Callable[[int], bool],
+) -> tuple[bool, frozenset[int]]:
+    """The element-wise code computing a value from `inputs`: whether it applies a heavy op
+    (`own_heavy`, or an input computed inline does), and the stored buffers it reads, directly
+    or through inputs computed inline (`reads` and `heavy` of those), at most one past
+    `MAX_INLINED_READS`; `is_buffer(j)`: input `j` is read from memory."""
+    r, inline = _inline_reads(inputs, storage, reads, is_buffer)
+    return own_heavy or any(heavy[j] for j in inline), frozenset(sorted(r)[: MAX_INLINED_READS + 1])
+
+
+def is_costly(heavy: bool, reads: frozenset[int]) -> bool:
+    """Whether inductor stores code so (`inline_code`) that several kernels read."""
+    return heavy or len(reads) > MAX_INLINED_READS
+
+
 def stored_on_reuse(
     nodes: list[fx.Node],
     inputs: list[list[int]],
@@ -208,16 +233,15 @@ def stored_on_reuse(
     costly = [False] * len(nodes)
     reused: tuple[set[int], set[int]] = (set(), set())  # storages stored so, in the forward's graph, the backward's
     for i, n in enumerate(nodes):
-        h = is_heavy(n)
-        r, inline = _inline_reads(
+        heavy[i], reads[i] = inline_code(
+            is_heavy(n),
             inputs[i],
             storage,
             reads,
+            heavy,
             lambda j, b=backward[i]: mat[storage[j]] or not inlinable[j] or storage[j] in reused[b],
         )
-        h = heavy[i] = h or any(heavy[j] for j in inline)
-        reads[i] = frozenset(sorted(r)[: MAX_INLINED_READS + 1])
-        costly[i] = h or len(r) > MAX_INLINED_READS
+        costly[i] = is_costly(heavy[i], reads[i])
         if costly[i] and storage[i] >= 0:
             for graph in (False, True):
                 if sum(1 for u in users[i] if backward[u] == graph) > 1:

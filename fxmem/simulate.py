@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxmem.buffers import MAX_INLINED_READS
+from fxmem.buffers import inline_code, is_costly
 from fxmem.graph import JointGraph
 from fxmem.kernels import NEVER_WRITTEN_OVER, op_name, reach
 from fxmem.nodes import transient_bytes
@@ -100,11 +100,12 @@ def simulate(
     costs = (cost, _costs(jg, kept_b) if released else cost)
     fusible = jg.fusible
 
-    # The element-wise code computing each recomputed value inline in the backward: (applies a
-    # heavy op, the stored buffers it reads). Saved values and those the backward does not
+    # The element-wise code computing each recomputed value inline in the backward: whether it
+    # applies a heavy op, and the stored buffers it reads (`buffers.inline_code`). Saved values and those the backward does not
     # compute again are buffers there; the plan decides which (`buffers.stored_on_reuse`
     # judges on the joint graph, where a value saved here may be code computed inline).
-    chains: dict[int, tuple[bool, frozenset[int]]] = {}
+    heavy: dict[int, bool] = {}
+    reads: dict[int, frozenset[int]] = {}
     inline_at: dict[int, bool] = {}
 
     def judge(i: int) -> bool:
@@ -114,16 +115,9 @@ def simulate(
         buffers.stored_on_reuse). The values it reads are judged first."""
         if not jg.inlinable or not jg.inlinable[i] or jg.materialized[storage[i]]:
             return False
-        heavy, reads = jg.heavy[i], set()
-        for j in jg.inputs[i]:
-            if storage[j] < 0:
-                continue
-            if inline_at.get(j):
-                h, r = chains[j]
-                heavy, reads = heavy or h, reads | r
-            else:
-                reads.add(storage[j])
-        chains[i] = (heavy, frozenset(sorted(reads)[: MAX_INLINED_READS + 1]))
+        heavy[i], reads[i] = inline_code(
+            jg.heavy[i], jg.inputs[i], storage, reads, heavy, lambda j: not inline_at.get(j)
+        )
         if i in jg.copied_per_reader:
             return True  # each attention call that reads it copies it (see `copies` below)
         # Its readers and its views' (a view of a value computed inline is computed inline):
@@ -136,7 +130,7 @@ def simulate(
                 if not fusible[u]:
                     return False
                 readers += 1
-        return readers <= 1 or not reads or not (heavy or len(reads) > MAX_INLINED_READS)
+        return readers <= 1 or not reads[i] or not is_costly(heavy[i], reads[i])
 
     if jg.fusible:
         for i in sorted(rset):  # graph order: a value's inputs before it
