@@ -200,8 +200,10 @@ def inline_code(
 
 
 def is_costly(heavy: bool, reads: frozenset[int]) -> bool:
-    """Whether inductor stores code so (`inline_code`) that several kernels read."""
-    return heavy or len(reads) > MAX_INLINED_READS
+    """Whether inductor stores code so (`inline_code`) that several kernels read. Code that
+    reads no buffer it computes inside each reader, heavy op included: a computed buffer that
+    loads nothing is inlined into whatever loads it."""
+    return bool(reads) and (heavy or len(reads) > MAX_INLINED_READS)
 
 
 def stored_on_reuse(
@@ -218,8 +220,10 @@ def stored_on_reuse(
     A pointwise value that is not written out is computed inside the kernel of each of its
     readers. Inductor does that while the computation is cheap: it stores the value instead
     when the chain of unstored ops behind it applies a heavy op (exp, log, ...; on CPU) or
-    reads more than four stored buffers. A value so stored because several ops of its graph
-    read it (the value or a view of it) is a buffer its readers in that graph read, not a
+    reads more than four stored buffers, unless it reads none (`is_costly`: T5's relative
+    position buckets, index arithmetic with a log; the bias lookup reading them, the log
+    computed inside it, is the value stored). A value so stored because several ops of its
+    graph read it (the value or a view of it) is a buffer its readers in that graph read, not a
     chain they compute: a batch norm's recomputed output, read by the ReLU6 mask's two
     comparisons, leaves the masked gradient two reads and so unstored. `backward` tells the
     nodes of the backward graph; a forward value read there counts its backward readers.

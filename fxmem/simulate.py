@@ -130,7 +130,7 @@ def simulate(
                 if not fusible[u]:
                     return False
                 readers += 1
-        return readers <= 1 or not reads[i] or not is_costly(heavy[i], reads[i])
+        return readers <= 1 or not is_costly(heavy[i], reads[i])
 
     if jg.fusible:
         for i in sorted(rset):  # graph order: a value's inputs before it

@@ -410,9 +410,11 @@ def test_a_fused_kernel_holds_what_it_reads_until_it_ends():
 def test_index_arithmetic_several_kernels_read_is_computed_in_each(monkeypatch):
     """T5's relative position buckets: index arithmetic on positions alone (a log among it),
     which the backward computes again and several kernels read, the embedding that looks the
-    bias up among them. Reading no buffer, it is computed inside each reader; the embedding,
-    read by two kernels, then holds a heavy op and is stored. The plan had counted the
-    buckets stored and the bias computed inline: 1.8 MiB under T5's measured peak."""
+    bias up among them. Reading no buffer, it is computed inside each reader (inductor
+    inlines a buffer that loads nothing into whatever loads it), on the whole graph as where a
+    plan computes it again; the embedding, read by two kernels, then holds a heavy op and is
+    stored. The plan had counted the buckets stored and the bias computed inline: 1.8 MiB
+    under T5's measured peak."""
 
     class RelativeBias(nn.Module):
         def __init__(self):
@@ -439,6 +441,7 @@ def test_index_arithmetic_several_kernels_read_is_computed_in_each(monkeypatch):
     (bucket,) = jg.nodes[bias].args[1:]
     bucket = jg.nodes.index(bucket)
     assert len(jg.users[bucket]) > 2  # read by the embedding's gradient too: not copied (too long)
+    assert not jg.stored_on_reuse[bucket] and jg.stored_on_reuse[bias]
     tl = simulate(jg, [False] * len(jg.nodes))  # all computed again in the backward
     assert {bucket, bias} <= set(tl.recomputed)
     assert jg.storage[bias] in tl.recomputed_interval
