@@ -54,8 +54,6 @@ class JointGraph:
     fusible: list[bool] = field(default_factory=list)
     # Of those, the ones a reader's kernel can compute again element by element (not reductions).
     inlinable: list[bool] = field(default_factory=list)
-    # Values a fusing compiler stores when several kernels read them (see buffers.stored_on_reuse).
-    stored_on_reuse: list[bool] = field(default_factory=list)
     # Matmuls a fusing compiler runs inside their reader's addmm (see kernels.kernel_ops): where
     # that add is, reading their inputs there.
     folded: frozenset[int] = frozenset()
@@ -120,18 +118,13 @@ class JointGraph:
         copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:
             materialized[storage[i]] = False
-        stored_on_reuse = (
-            buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward) if fusing else []
-        )
         if fusing:
-            buffers.store_reused(
-                (nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored_on_reuse
-            )
+            stored = buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward)
+            buffers.store_reused((nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored)
         return cls(
             fusible=fusible,
             folded=frozenset(folded),
             inlinable=inlinable,
-            stored_on_reuse=stored_on_reuse,
             copied_per_reader=frozenset(copied),
             transient=transient,
             materialized=materialized,

@@ -49,8 +49,8 @@ def kicked(
     best = min(states, key=lambda c: c.timeline.peak_bytes)
     found: list[Choice] = []
     least, most = _KICK_SIMULATIONS
-    limit = capped(jg, max(walked_for, min(most, max(least, _KICK_NODE_STEPS // max(1, len(jg.nodes))))))
-    effort = Effort(limit=limit)
+    short_walk = min(most, max(least, _KICK_NODE_STEPS // max(1, len(jg.nodes))))
+    effort = Effort(limit=capped(jg, max(walked_for, short_walk)))
     lowered = True
     while lowered:
         lowered = False

@@ -101,9 +101,10 @@ def simulate(
     fusible = jg.fusible
 
     # The element-wise code computing each recomputed value inline in the backward: whether it
-    # applies a heavy op, and the stored buffers it reads (`buffers.inline_code`). Saved values and those the backward does not
-    # compute again are buffers there; the plan decides which (`buffers.stored_on_reuse`
-    # judges on the joint graph, where a value saved here may be code computed inline).
+    # applies a heavy op, and the stored buffers it reads (`buffers.inline_code`). Saved values
+    # and those the backward does not compute again are buffers there; the plan decides which
+    # (`buffers.stored_on_reuse` judges on the joint graph, where a value saved here may be
+    # code computed inline).
     heavy: dict[int, bool] = {}
     reads: dict[int, frozenset[int]] = {}
     inline_at: dict[int, bool] = {}
@@ -132,15 +133,13 @@ def simulate(
                 readers += 1
         return readers <= 1 or not is_costly(heavy[i], reads[i])
 
-    if jg.fusible:
-        for i in sorted(rset):  # graph order: a value's inputs before it
-            inline_at[i] = judge(i)
-
     def inlined(i: int) -> bool:
         """Whether the backward computes recomputed value `i` inline (see `judge`)."""
         return inline_at.get(i, False)
 
     if jg.fusible:
+        for i in sorted(rset):  # graph order: a value's inputs before it
+            inline_at[i] = judge(i)
         _extend_through_unstored(jg, order, boundary, last_f, last_b, costs, rset, inlined)
     copies = (_copies(jg, held), _copies(jg, kept_b))
 

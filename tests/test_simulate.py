@@ -441,7 +441,10 @@ def test_index_arithmetic_several_kernels_read_is_computed_in_each(monkeypatch):
     (bucket,) = jg.nodes[bias].args[1:]
     bucket = jg.nodes.index(bucket)
     assert len(jg.users[bucket]) > 2  # read by the embedding's gradient too: not copied (too long)
-    assert not jg.stored_on_reuse[bucket] and jg.stored_on_reuse[bias]
+    whole = stored_on_reuse(
+        jg.nodes, jg.inputs, jg.users, jg.storage, list(jg.materialized), jg.inlinable, [k == BWD for k in jg.kind]
+    )
+    assert not whole[bucket] and whole[bias]  # on the whole graph too
     tl = simulate(jg, [False] * len(jg.nodes))  # all computed again in the backward
     assert {bucket, bias} <= set(tl.recomputed)
     assert jg.storage[bias] in tl.recomputed_interval
