@@ -25,6 +25,7 @@ __all__ = [
     "is_heavy",
     "materialized_storages",
     "store_reused",
+    "stored_in_forward",
     "stored_on_reuse",
 ]
 
@@ -265,12 +266,13 @@ def store_reused(
     rather than computing them in each (see `stored_on_reuse`; LayerNorm's input gradient
     read by an embedding's two gradient scatters). A view among the readers counts as one, as
     inductor counts it (ConvNeXt's LayerNorm gradient, read by a permute and an add). Forward
-    values are judged where the plan recomputes them (`simulate`'s `inlined`). A value whose
-    readers all feed one element-wise value written out (through values computed inline: a
-    SiLU's sigmoid, read twice by its gradient) is computed in that value's loop, its buffer
-    dropped (UNet's SiLU gradients before their group norm's backward), when both loops run
-    over the same nest; one a reduction reads, or two written values, is read by loops of its
-    own (a batch norm's backward sums). `graph`: (nodes, inputs, users, storage)."""
+    values are judged in the forward by `stored_in_forward`, and where the plan computes them
+    again by `simulate`'s `inlined`. A value whose readers all feed one element-wise value
+    written out (through values computed inline: a SiLU's sigmoid, read twice by its
+    gradient) is computed in that value's loop, its buffer dropped (UNet's SiLU gradients
+    before their group norm's backward), when both loops run over the same nest; one a
+    reduction reads, or two written values, is read by loops of its own (a batch norm's
+    backward sums). `graph`: (nodes, inputs, users, storage)."""
     nodes, inputs, users, storage = graph
     for i in range(len(storage) - 1, -1, -1):  # readers first: whether they are written
         s = storage[i]
@@ -279,6 +281,26 @@ def store_reused(
         readers = [u for u in users[i] if fusible[u]]
         if len(readers) > 1 and not _one_loop(i, graph, mat, inlinable):
             mat[s] = True
+
+
+def stored_in_forward(
+    users: list[list[int]], storage: list[int], backward: list[bool], mat: list[bool], stored: list[bool]
+) -> set[int]:
+    """Storages of the forward values a fusing compiler stores in the forward's graph, where
+    several of its ops read them and their code is costly (`stored_on_reuse`): T5's decoder
+    position bias, a lookup whose buckets apply a log, read by each chunk of both layers'
+    self-attention. Read only inside the kernel computing it, such a value is a local of that
+    kernel and never allocated (`simulate` tells). `mat` marks what is written out anyway;
+    in the backward, a value the plan computes again is judged there (`simulate`'s `judge`)."""
+    return {
+        storage[i]
+        for i in range(len(storage))
+        if stored[i]
+        and not backward[i]
+        and storage[i] >= 0
+        and not mat[storage[i]]
+        and sum(1 for u in users[i] if not backward[u]) > 1
+    }
 
 
 def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> bool:

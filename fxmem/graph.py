@@ -60,6 +60,9 @@ class JointGraph:
     # Values a fusing compiler copies for each attention kernel that reads them, storing none
     # (see buffers.copied_per_reader).
     copied_per_reader: frozenset[int] = frozenset()
+    # Storages the forward's graph writes out because several of its kernels read them (see
+    # buffers.stored_in_forward).
+    stored_in_forward: frozenset[int] = frozenset()
     # Forward outputs the caller lets go before the backward (`keep_outputs=False`), node ->
     # position among the step's outputs: the tensors it returns as they are (AOTAutograd's
     # plain outputs; not the bases of returned views), which then live to the forward's end.
@@ -118,14 +121,17 @@ class JointGraph:
         copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
         for i in copied:
             materialized[storage[i]] = False
+        forward_stored: set[int] = set()
         if fusing:
             stored = buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward)
             buffers.store_reused((nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored)
+            forward_stored = buffers.stored_in_forward(users, storage, backward, materialized, stored)
         return cls(
             fusible=fusible,
             folded=frozenset(folded),
             inlinable=inlinable,
             copied_per_reader=frozenset(copied),
+            stored_in_forward=frozenset(forward_stored),
             transient=transient,
             materialized=materialized,
             gm=gm,

@@ -11,12 +11,13 @@ value only fusible ops read is never stored, so its inputs live until its last r
 reader's kernel computes it again); a kernel holds what it reads until it has written what it
 makes, and writes its output over a buffer that dies in it when it reads that buffer at the
 index it writes (see `_reads_in_place`); recomputed values are stored unless their readers can
-compute them inline (see `buffers.stored_on_reuse`); an element-wise value a library call alone
-reads is computed right before that call, not where the graph has it (see
-`schedule.as_realized`). Kernels never merge across a library call: fxmem's compile keeps
-inductor from fusing kernels across one (see `_torch_private._fusion_choices`). Each
-rule was checked against inductor's generated code and `fxmem.measure` on GPT,
-GPT-with-dropout and ViT floors.
+compute them inline (see `buffers.stored_on_reuse`); a forward value several kernels of the
+forward read is stored there when its code is costly (`buffers.stored_in_forward`); an
+element-wise value a library call alone reads is computed right before that call, not where
+the graph has it (see `schedule.as_realized`). Kernels never merge across a library call:
+fxmem's compile keeps inductor from fusing kernels across one (see
+`_torch_private._fusion_choices`). Each rule was checked against inductor's generated code
+and `fxmem.measure` on GPT, GPT-with-dropout and ViT floors.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def simulate(
     held = saved_sids | kept_end | released
     kept_b = saved_sids | kept_end
     cost = _costs(jg, held)
-    costs = (cost, _costs(jg, kept_b) if released else cost)
+    costs = (_stored_in_forward(jg, cost), _costs(jg, kept_b) if released else cost)
     fusible = jg.fusible
 
     # The element-wise code computing each recomputed value inline in the backward: whether it
@@ -202,6 +203,8 @@ def simulate(
             # forward is the same whatever the backward computes again.
             if s != storage[i]:
                 c = sbytes[s]
+            elif not backward and s in jg.stored_in_forward and last_f.get(s, t) <= kernel_end[t]:
+                c = cost[s]  # read only inside the kernel computing it: a local of that kernel
             elif not backward or i not in rset or inlined(i):
                 c = phase_cost[s]
             else:
@@ -279,6 +282,17 @@ def _costs(jg: JointGraph, held: set[int]) -> list[int]:
     sbytes = jg.storage_bytes
     for s in held:
         out[s] = sbytes[s]
+    return out
+
+
+def _stored_in_forward(jg: JointGraph, cost: list[int]) -> list[int]:
+    """`cost` in the forward: with the storages its graph writes out because several of its
+    kernels read them (`JointGraph.stored_in_forward`)."""
+    if not jg.stored_in_forward:
+        return cost
+    out = cost.copy()
+    for s in jg.stored_in_forward:
+        out[s] = jg.storage_bytes[s]
     return out
 
 

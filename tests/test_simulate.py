@@ -451,6 +451,45 @@ def test_index_arithmetic_several_kernels_read_is_computed_in_each(monkeypatch):
     assert jg.storage[bucket] not in tl.recomputed_interval
 
 
+def test_a_costly_value_kernels_on_both_sides_of_a_matmul_read_is_stored_in_the_forward(monkeypatch):
+    """A forward value no gradient needs, whose code applies a heavy op, read by two kernels
+    with matmuls between them (T5's decoder position bias, read by every chunk of both layers'
+    self-attention): inductor stores it in the forward. Counted as computed inside each
+    reader, the prediction at the floor was 2 MiB (the value) under the measured peak, which
+    falls while the value lives (`x @ x.T`)."""
+
+    class SharedBias(nn.Module):
+        def __init__(self, n: int = 2048, d: int = 256):
+            super().__init__()
+            self.register_buffer("pos", torch.linspace(0, 1, n * d).view(n, d))
+            self.w1 = nn.Linear(d, d, bias=False)
+            self.w2 = nn.Linear(d, d, bias=False)
+
+        def forward(self, x):
+            b = torch.exp(-self.pos) * 0.5
+            h = self.w1(x + b)
+            g = (x @ x.T).amax(-1, keepdim=True)
+            return self.w2(torch.relu(h) * b + g).square().mean()
+
+    seen = _capture_emits(monkeypatch)
+    torch.manual_seed(0)
+    model, x = SharedBias(), torch.randn(2048, 256)
+    model(x).backward()
+    ref = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    floor, _ = floor_plan(model, (x,), passes=[])
+    m = fxmem.optimize(model, floor * 1.03 / 2**30, passes=[])
+    m(x).backward()
+    assert max_rel_err(grads_of(model), ref) < 1e-5
+    model.zero_grad(set_to_none=True)
+    got = fxmem.measure(lambda: m(x).backward())
+    predicted = m.plan.predicted_peak_bytes
+    assert got.peak_bytes <= m.plan.budget_bytes
+    assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / 2**20, predicted / 2**20)
+    jg = seen[-1][0]
+    assert [jg.storage_bytes[s] for s in jg.stored_in_forward] == [x.nbytes]  # b alone
+
+
 def test_a_value_placed_into_a_larger_one_is_computed_in_its_reader():
     """Inductor makes slice_scatter and select_scatter element-wise code that loads from
     either input: neither they nor the zeros they place a value into are written out when
