@@ -187,6 +187,12 @@ def simulate(
     transient = jg.transient or [0] * len(storage)
     rewritten = _rewritten(jg, rset) if rset and jg.call_outputs else {}
     phase_cost, phase_copies, backward = costs[0], copies[0], False
+    # Inductor makes the copies a library call reads as it lowers the call, after the call's
+    # other inputs, and fuses their code into the kernel that runs right before the call (T5's
+    # cross-attention mask, written by the kernel that copies its keys and values out of their
+    # projection): they are alive with everything that kernel reads, before it frees any of it.
+    ahead = 0  # the next call's copies, written by the kernel ending at this step
+    copy_key = -2 - len(storage)  # events' keys for those copies, below the transients' -2 - i
     for t, i in enumerate(order):
         if t == boundary:
             phase_cost, phase_copies, backward = costs[1], copies[1], True
@@ -233,10 +239,18 @@ def simulate(
         extra = transient[i] + phase_copies.get(i, 0) if phase_copies else transient[i]
         if backward and rewritten:
             extra += rewritten.get(i, 0)
-        if extra and events is not None:
-            events.append((t, -2 - i, extra))
-            events.append((t, -2 - i, -extra))
-        now = cur + extra
+        carried, ahead = ahead, 0
+        if phase_copies and kernel_end and kernel_end[t] == t and fusible[i] and t + 1 not in (end, boundary):
+            ahead = phase_copies.get(order[t + 1], 0)
+        if events is not None:
+            if extra > carried:
+                events.append((t, -2 - i, extra - carried))
+                events.append((t, -2 - i, carried - extra))
+            if ahead:
+                events.append((t, copy_key - order[t + 1], ahead))
+            if carried:
+                events.append((t, copy_key - i, -carried))
+        now = cur + extra + ahead
         curve.append(now)
         if t == snapshot_at:
             snapshot = {s: charged[s] for s in alive}
