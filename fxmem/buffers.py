@@ -75,21 +75,26 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
     contiguous copy of a slice of the fused projection) is two copies of a quarter of that
     projection, and the whole projection lives from one call to the other. A value loaded from
     more than one place (the rotary embedding of the queries: two halves, cos and sin) is
-    stored once when several ops read it (inductor's `realize_hint`). `mat` marks these
-    values stored (read by a library call); the caller unmarks them. `graph`: (nodes, inputs,
-    users, storage)."""
+    stored once when several ops read it (inductor's `realize_hint`), and so is one whose code
+    applies a heavy op (`is_heavy`: a mask two layers' attention read, the sigmoid of a table;
+    copied per call, the plan was 5 MiB under the measured peak and broke its budget). `mat`
+    marks these values stored (read by a library call); the caller unmarks them. `graph`:
+    (nodes, inputs, users, storage)."""
     nodes, inputs, users, storage = graph
     holders: dict[int, list[int]] = {}  # storage -> the value and its views, in graph order
     for j, s in enumerate(storage):
         if s >= 0:
             holders.setdefault(s, []).append(j)
     loads = [0] * len(nodes)  # loads in the element-wise code computing each value
+    heavy = [False] * len(nodes)  # whether that code applies a heavy op
     copied: set[int] = set()
     for i, n in enumerate(nodes):
         s = storage[i]
         if s < 0 or not inlinable or not inlinable[i]:
             continue
-        loads[i] = sum(1 if mat[storage[j]] or not inlinable[j] else loads[j] for j in inputs[i] if storage[j] >= 0)
+        inline = [j for j in inputs[i] if storage[j] >= 0 and not mat[storage[j]] and inlinable[j]]
+        loads[i] = sum(1 for j in inputs[i] if storage[j] >= 0 and j not in inline) + sum(loads[j] for j in inline)
+        heavy[i] = is_heavy(n) or any(heavy[j] for j in inline)
         if holders[s][0] != i:
             continue  # a view of a value: judged with it
         readers = [u for j in holders[s] for u in users[j] if storage[u] != s]
@@ -97,6 +102,7 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
         library = [u for u in readers if not fusible[u]]
         if (
             loads[i] <= 1
+            and not (heavy[i] and len(readers) > 1)
             and library
             and all(op_name(nodes[u]) in _LAID_OUT_READERS for u in library)
             and not any(op_name(nodes[u]) in _STRIDED_READS for j in holders[s] for u in users[j])
@@ -284,19 +290,26 @@ def store_reused(
 
 
 def stored_in_forward(
-    users: list[list[int]], storage: list[int], backward: list[bool], mat: list[bool], stored: list[bool]
+    users: list[list[int]],
+    storage: list[int],
+    backward: list[bool],
+    mat: list[bool],
+    inlinable: list[bool],
+    stored: list[bool],
 ) -> set[int]:
-    """Storages of the forward values a fusing compiler stores in the forward's graph, where
-    several of its ops read them and their code is costly (`stored_on_reuse`): T5's decoder
-    position bias, a lookup whose buckets apply a log, read by each chunk of both layers'
-    self-attention. Read only inside the kernel computing it, such a value is a local of that
-    kernel and never allocated (`simulate` tells). `mat` marks what is written out anyway;
-    in the backward, a value the plan computes again is judged there (`simulate`'s `judge`)."""
+    """Storages of the forward's element-wise values a fusing compiler stores in the forward's
+    graph, where several of its ops read them and their code is costly (`stored_on_reuse`):
+    T5's decoder position bias, a lookup whose buckets apply a log, read by each chunk of both
+    layers' self-attention. Read only inside the kernel computing it, such a value is a local
+    of that kernel and never allocated (`simulate` tells). `mat` marks what is written out
+    anyway; in the backward, a value the plan computes again is judged there (`simulate`'s
+    `judge`)."""
     return {
         storage[i]
         for i in range(len(storage))
         if stored[i]
         and not backward[i]
+        and inlinable[i]
         and storage[i] >= 0
         and not mat[storage[i]]
         and sum(1 for u in users[i] if not backward[u]) > 1

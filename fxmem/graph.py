@@ -60,8 +60,8 @@ class JointGraph:
     # Values a fusing compiler copies for each attention kernel that reads them, storing none
     # (see buffers.copied_per_reader).
     copied_per_reader: frozenset[int] = frozenset()
-    # Storages the forward's graph writes out because several of its kernels read them (see
-    # buffers.stored_in_forward).
+    # Storages the forward's graph writes out because several of its ops read them (see
+    # buffers.stored_in_forward), unless they run in the kernel computing them (see simulate).
     stored_in_forward: frozenset[int] = frozenset()
     # Forward outputs the caller lets go before the backward (`keep_outputs=False`), node ->
     # position among the step's outputs: the tensors it returns as they are (AOTAutograd's
@@ -125,7 +125,8 @@ class JointGraph:
         if fusing:
             stored = buffers.stored_on_reuse(nodes, inputs, users, storage, materialized, inlinable, backward)
             buffers.store_reused((nodes, inputs, users, storage), backward, materialized, fusible, inlinable, stored)
-            forward_stored = buffers.stored_in_forward(users, storage, backward, materialized, stored)
+            forward_stored = buffers.stored_in_forward(users, storage, backward, materialized, inlinable, stored)
+            forward_stored -= {storage[i] for i in copied}  # copied for each attention call instead
         return cls(
             fusible=fusible,
             folded=frozenset(folded),

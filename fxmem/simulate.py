@@ -51,7 +51,8 @@ class Timeline:
     # recomputed storage that costs bytes -> (alloc step, free step) in the backward
     recomputed_interval: dict[int, tuple[int, int]] = field(default_factory=dict)
     # With `record_events`: (step, storage, +bytes) when a storage is charged, (step, storage,
-    # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files).
+    # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files). A
+    # negative key is memory no storage holds: an op's temporaries, the copies made for a call.
     events: list[tuple[int, int, int]] | None = None
     # The backward's nodes in the order the backward graph is emitted; `order` is the order a
     # fusing compiler runs them in (see `schedule.as_realized`). None: the same.
@@ -209,7 +210,7 @@ def simulate(
             # forward is the same whatever the backward computes again.
             if s != storage[i]:
                 c = sbytes[s]
-            elif not backward and s in jg.stored_in_forward and last_f.get(s, t) <= kernel_end[t]:
+            elif not backward and s in jg.stored_in_forward and kernel_end and last_f.get(s, t) <= kernel_end[t]:
                 c = cost[s]  # read only inside the kernel computing it: a local of that kernel
             elif not backward or i not in rset or inlined(i):
                 c = phase_cost[s]
@@ -223,7 +224,7 @@ def simulate(
                         r in alive
                         and charged[r] == c
                         and last_read_at[k][r] <= t
-                        and _reads_in_place(jg, i, made_by[r], cost)
+                        and _reads_in_place(jg, i, made_by[r], cost if backward else phase_cost)
                     ):
                         alive.discard(r)  # the new value is written over it
                         if r in recomputed_sids and alloc_at[r] >= boundary:
@@ -327,7 +328,7 @@ def _rewritten(jg: JointGraph, rset: set[int]) -> dict[int, int]:
 def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
     """Per attention call, the bytes of the copies a fusing compiler makes for it of the
     values it reads that are not stored (`buffers.copied_per_reader`; `held`: stored), alive
-    for the call."""
+    for the call, and from the kernel right before it when one runs there (see `simulate`)."""
     out: dict[int, int] = {}
     for v in jg.copied_per_reader:
         s = jg.storage[v]
