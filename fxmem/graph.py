@@ -439,7 +439,7 @@ class JointGraph:
 
     @functools.cached_property
     def in_place_answers(self) -> dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[bool, ...], bool]]]:
-        """Answers of `simulate._reads_in_place` so far, per (node, the buffer's maker): the
+        """Answers of `in_place.reads_in_place` so far, per (node, the buffer's maker): the
         storages each asked whether they are stored, their answers, and its own."""
         return {}
 

@@ -22,6 +22,7 @@ from fxmem import _torch_private as tp
 from fxmem import cost, partition, planner, walks
 from fxmem.buffers import materialized_storages, store_reused, stored_on_reuse
 from fxmem.graph import BWD, JointGraph
+from fxmem.in_place import reads_in_place
 from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops
 from fxmem.kernels import layout as value_layout
 from fxmem.nodes import _is_impure, _is_random, aliased_input
@@ -29,7 +30,7 @@ from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import _probe_arguments, workspace_bytes
 from fxmem.schedule import kernel_ends, outputs_made_at
-from fxmem.simulate import _reads_in_place, simulate, simulate_modules
+from fxmem.simulate import simulate, simulate_modules
 from fxmem.testing import GPT, GPTConfig, ViT, ViTBlock, ViTConfig, gpt_batch, vit_batch
 
 
@@ -824,21 +825,21 @@ def test_a_kernel_writes_over_an_input_only_where_it_reads_it_at_the_same_index(
 
     jg, named, cost = _in_place_case(f, torch.randn(8, 8))
     exp = named["exp"]
-    assert _reads_in_place(jg, named["mul"], exp, cost)
-    assert not _reads_in_place(jg, named["clone"], exp, cost)
-    assert _reads_in_place(jg, named["mul_1"], exp, cost)
+    assert reads_in_place(jg, named["mul"], exp, cost)
+    assert not reads_in_place(jg, named["clone"], exp, cost)
+    assert reads_in_place(jg, named["mul_1"], exp, cost)
 
     def g(x):
         e = x.exp()
         return e.view(4, 16) * 3.0, e.amax(dim=1)
 
     jg, named, cost = _in_place_case(g, torch.randn(8, 8))
-    assert not _reads_in_place(jg, named["mul"], named["exp"], cost)
+    assert not reads_in_place(jg, named["mul"], named["exp"], cost)
 
 
 def test_a_kept_in_place_answer_holds_only_where_the_same_values_are_stored():
     """Whether a kernel reads a buffer at the index it writes depends on which values between
-    them are stored: `_reads_in_place` answers again when the plan stores another set of them,
+    them are stored: `reads_in_place` answers again when the plan stores another set of them,
     and reuses its answer when the set it asked about is stored alike."""
 
     def f(x):
@@ -848,9 +849,9 @@ def test_a_kept_in_place_answer_holds_only_where_the_same_values_are_stored():
     jg, named, cost = _in_place_case(f, torch.randn(8, 8))
     mul, exp, neg = named["mul"], named["exp"], named["neg"]
     inline = [0 if i == neg else c for i, c in enumerate(cost)]  # neg computed in mul's kernel
-    assert _reads_in_place(jg, mul, exp, inline)
-    assert not _reads_in_place(jg, mul, exp, cost)  # neg stored: mul reads neg's buffer, not exp's
-    assert _reads_in_place(jg, mul, exp, inline)
+    assert reads_in_place(jg, mul, exp, inline)
+    assert not reads_in_place(jg, mul, exp, cost)  # neg stored: mul reads neg's buffer, not exp's
+    assert reads_in_place(jg, mul, exp, inline)
     assert len(jg.in_place_answers[(mul, exp)]) == 2
 
 
@@ -863,13 +864,13 @@ def test_no_kernel_writes_over_a_buffer_a_scatter_filled():
         return torch.zeros(8, 8).scatter_add(0, index, x) * 2.0
 
     jg, named, cost = _in_place_case(f, torch.randn(8, 8), torch.randint(0, 8, (8, 8)))
-    assert not _reads_in_place(jg, named["mul"], named["scatter_add"], cost)
+    assert not reads_in_place(jg, named["mul"], named["scatter_add"], cost)
 
     def g(x):
         return (x * 3.0) * 2.0
 
     jg, named, cost = _in_place_case(g, torch.randn(8, 8))
-    assert _reads_in_place(jg, named["mul_1"], named["mul"], cost)
+    assert reads_in_place(jg, named["mul_1"], named["mul"], cost)
 
 
 def test_no_kernel_writes_over_a_concatenation():
@@ -881,7 +882,7 @@ def test_no_kernel_writes_over_a_concatenation():
         return torch.cat([a @ b, a @ b.t()]) * 2.0
 
     jg, named, cost = _in_place_case(f, torch.randn(8, 8), torch.randn(8, 8))
-    assert not _reads_in_place(jg, named["mul"], named["cat"], cost)
+    assert not reads_in_place(jg, named["mul"], named["cat"], cost)
 
 
 def test_a_sum_reading_too_many_buffers_is_written_out_for_a_scatter():
