@@ -341,31 +341,6 @@ def _planned_exactly_at_floor(model, ids: torch.Tensor, zero: float = 1e-12):
     return m.plan
 
 
-def test_a_view_a_matmul_and_other_ops_read_is_taken_again_for_each_reader(monkeypatch):
-    """T5's feed-forward, computed again in the backward: its ReLU's output is read through one
-    view by the next matmul and by that matmul's weight gradient. Inductor copies such a view
-    (read by several ops, a matmul among them) of a value it has not stored into a buffer of
-    its own, and the ReLU's gradient computed the ReLU again from the matmul output before it,
-    which so stayed alive through the peak. With a view of its own for each reader
-    (`emit._view_per_reader`) the ReLU's output is stored, as the plan counts it: the step
-    keeping only the loss measures the prediction (without, 1.4% over it with a layer on each
-    side; 4% with two, whose compiling took 145 s against 90 s). Rates fixed as in
-    `_zoo_at_fixed_rates`."""
-    import fxmem.partition
-    from fxmem.cost import DeviceRates
-
-    monkeypatch.setattr(fxmem.partition, "measure_rates", lambda device, room_bytes=None: DeviceRates(1e11, 2**32))
-    torch.manual_seed(0)
-    cfg = transformers.T5Config(
-        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_heads=4, dropout_rate=0,
-        decoder_start_token_id=0,
-    )  # fmt: skip
-    model = transformers.T5ForConditionalGeneration(cfg)
-    model.train()
-    ids = torch.randint(0, VOCAB, (8, 256))
-    _planned_exactly_at_floor(model, ids)
-
-
 def test_attention_inputs_copied_per_call_are_planned_exactly_under_inductor():
     """Llama's values, a slice of the fused projection made contiguous, are stored by no
     kernel of inductor's: each attention call that reads them (the forward's, computed again
