@@ -213,13 +213,13 @@ def test_a_module_float_dynamo_passes_as_a_tensor_is_planned_as_a_number(compile
     from fxmem.testing import GPT, GPTConfig, gpt_batch
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+    cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=1, n_head=4, n_embd=64, dropout=0.1)
     model = GPT(cfg)
     batch, plans = gpt_batch(cfg, 4, 64), []
     options = {"budget_gb": 0.5, "compiler": compiler, "on_plan": plans.append}
     compiled = torch.compile(model, backend="fxmem", dynamic=True, options=options)
     compiled(*batch).backward()
-    assert len(plans) == 1 and plans[0].rewrites["swap_sdpa"] == 2
+    assert len(plans) == 1 and plans[0].rewrites["swap_sdpa"] == 1
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0

@@ -7,6 +7,7 @@ time limit saying what it did not run, and claiming nothing it did not measure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,9 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import budget_check  # noqa: E402
-from benchmarks._models import MODELS  # noqa: E402
+from benchmarks._models import MODELS, _gpt  # noqa: E402
 from benchmarks._records import Config, Result  # noqa: E402
 from benchmarks._report import render_model, summary_table  # noqa: E402
+from fxmem.testing import GPTConfig  # noqa: E402
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -124,7 +126,10 @@ def test_timed_rounds_past_the_time_limit_end_after_two_and_say_so(monkeypatch):
             late.append(msg)
 
     opts = Options(steps=5, amb_values=(), fxmem_points=1, eager_fractions=(), remat_only=False, sliced=False)
-    result = _harness.bench_model(MODELS["gpt"], "quick", opts, log)
+    tiny = GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32)  # the rounds, not the model
+    result = _harness.bench_model(
+        dataclasses.replace(MODELS["gpt"], sizes={"quick": _gpt(tiny, 2, 32)}), "quick", opts, log
+    )
     assert (result.rounds, result.rounds_wanted) == (2, 5)
     ran = [c for c in result.configs if c.ok]
     assert {c.kind for c in ran} >= {"eager", "compile", "fxmem"}

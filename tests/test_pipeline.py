@@ -56,7 +56,7 @@ def test_budget_held_with_bf16_regions_and_inductor():
         fxmem.optimize(model, 1e-6, precision="bf16", example_inputs=batch)
     except fxmem.BudgetError as err:
         floor = err.floor_bytes
-    for budget in (floor, 1.2 * floor, 4 * floor):  # the last: nothing recomputed
+    for budget in (floor, 4 * floor):  # the second: nothing recomputed
         m = fxmem.optimize(model, budget / 2**30, precision="bf16", example_inputs=batch)
         step(m, *batch)  # compiles
         zero_grads(model)

@@ -1101,12 +1101,6 @@ def _vit_small():
     return ViT(cfg), vit_batch(cfg, 16)
 
 
-def _gpt_dropout_small():
-    # heads of 32 over 128 keys: chunked_attention splits each attention in 4 (few kernels to compile)
-    cfg = GPTConfig(vocab_size=2048, block_size=128, n_layer=2, n_head=2, n_embd=64, dropout=0.1)
-    return GPT(cfg), gpt_batch(cfg, 4, 128)
-
-
 class _RowChunkedBlock(ViTBlock):
     """A ViT block whose MLP runs over four chunks of rows: its bias gradients are sums of
     per-chunk sums, which inductor would fuse into one kernel holding every chunk's gradient."""
@@ -1154,14 +1148,14 @@ def _vit_relative_bias():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "make, within",
-    [(_vit_small, 0.10), (_gpt_dropout_small, 0.10), (_vit_row_chunked_mlp, 0.10), (_vit_relative_bias, 0.03)],
-    ids=["vit", "gpt-dropout", "row-chunked-mlp", "relative-bias"],
+    [(_vit_small, 0.10), (_vit_row_chunked_mlp, 0.10), (_vit_relative_bias, 0.03)],
+    ids=["vit", "row-chunked-mlp", "relative-bias"],
 )
 def test_inductor_floor_holds_the_budget(make, within):
-    """At the floor with inductor (recomputed chains fused into their readers, the chunked
-    loss's weight gradient accumulated by addmm, attention dropout, sums a concatenation alone
-    reads, which inductor computes when it makes the concatenation), the measured peak is
-    within the budget and the prediction within `within` of it. The relative bias's sums, left
+    """At the floor with inductor (recomputed chains fused into their readers, sums a
+    concatenation alone reads, which inductor computes when it makes the concatenation), the
+    measured peak is within the budget and the prediction within `within` of it. (A GPT with
+    dropout at its floor under inductor: the test of its dropouts drawn again below.) The relative bias's sums, left
     dead before the concatenation computes them, were predicted 7% under the measured peak of
     one block over 257 tokens (two blocks broke the budget). The plans made since keep those
     sums off the peak there, so the block runs over 65 tokens: five groups of heads to compile
