@@ -65,7 +65,9 @@ _LAID_OUT_READERS = {
 }
 
 
-def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlinable: list[bool]) -> set[int]:
+def copied_per_reader(
+    graph: tuple, mat: list[bool], fusible: list[bool], inlinable: list[bool], backward: list[bool]
+) -> set[int]:
     """Element-wise values on CPU, loaded from one buffer, that no library call reads but
     attention kernels, directly or through views (OPT's scaled queries, viewed per head and
     transposed): inductor stores none of them. Each attention call that reads one gets
@@ -78,8 +80,11 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
     stored once when several ops read it (inductor's `realize_hint`), and so is one whose code
     applies a heavy op (`is_heavy`: a mask two layers' attention read, the sigmoid of a table;
     copied per call, the plan was 5 MiB under the measured peak and broke its budget). `mat`
-    marks these values stored (read by a library call); the caller unmarks them. `graph`:
-    (nodes, inputs, users, storage)."""
+    marks these values stored (read by a library call); the caller unmarks them. A
+    one-element input (a loss's gradient) is no load, and a forward value the backward reads
+    is one: the backward is compiled apart and reads it from memory (a residual stream whose
+    square's gradient an attention's backward reads). `graph`: (nodes, inputs, users,
+    storage)."""
     nodes, inputs, users, storage = graph
     holders: dict[int, list[int]] = {}  # storage -> the value and its views, in graph order
     for j, s in enumerate(storage):
@@ -92,8 +97,17 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
         s = storage[i]
         if s < 0 or not inlinable or not inlinable[i]:
             continue
-        inline = [j for j in inputs[i] if storage[j] >= 0 and not mat[storage[j]] and inlinable[j]]
-        loads[i] = sum(1 for j in inputs[i] if storage[j] >= 0 and j not in inline) + sum(loads[j] for j in inline)
+        inline = [
+            j
+            for j in inputs[i]
+            if storage[j] >= 0 and not mat[storage[j]] and inlinable[j] and backward[j] == backward[i]
+        ]
+        loaded = [
+            j
+            for j in inputs[i]
+            if storage[j] >= 0 and j not in inline and not _single_element(nodes[holders[storage[j]][0]])
+        ]
+        loads[i] = len(loaded) + sum(loads[j] for j in inline)
         heavy[i] = is_heavy(n) or any(heavy[j] for j in inline)
         if holders[s][0] != i:
             continue  # a view of a value: judged with it
@@ -113,6 +127,13 @@ def copied_per_reader(graph: tuple, mat: list[bool], fusible: list[bool], inlina
         ):
             copied.add(i)
     return copied
+
+
+def _single_element(node: fx.Node) -> bool:
+    """A one-element tensor (a loss's gradient, a scale; a view of one, expanded, is judged by
+    it): inductor counts no read of it."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() == 1
 
 
 def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backward: list[bool]) -> None:

@@ -118,7 +118,7 @@ class JointGraph:
         # A fusing compiler decomposes the ops _TRANSIENT lists; library kernels it calls as they are.
         transient = [workspace_bytes(n, fusing, channels_last) + (0 if fusing else transient_bytes(n)) for n in nodes]
         inlinable = [kernels.is_inlinable(n) for n in nodes] if fusing else []
-        copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable)
+        copied = buffers.copied_per_reader((nodes, inputs, users, storage), materialized, fusible, inlinable, backward)
         for i in copied:
             materialized[storage[i]] = False
         forward_stored: set[int] = set()

@@ -550,8 +550,20 @@ def test_a_heavy_mask_two_attention_calls_read_is_stored_once(monkeypatch):
 
     seen = _capture_emits(monkeypatch)
     torch.manual_seed(0)
-    _measured_above_floor(TwoLayers(), (torch.randn(b, t, d),))  # holds the budget
-    assert not seen[-1][0].copied_per_reader
+    model, x = TwoLayers(), torch.randn(b, t, d)
+    _measured_above_floor(model, (x,))  # holds the budget
+    assert all("sigmoid" not in seen[-1][0].nodes[i].name for i in seen[-1][0].copied_per_reader)
+
+    # Unconstrained, the backward's first attention reads the gradient of the squared residual
+    # stream, a copy in its layout; the stream itself (saved) lives on to the next layer's
+    # gradient, which computes that gradient again. Counted as stored once (the loss's
+    # gradient, one element, taken for a load, and the saved stream for code computed inline),
+    # the prediction was 4.4% under.
+    m = fxmem.optimize(model, 1.0, passes=[])
+    m(x).backward()
+    model.zero_grad(set_to_none=True)
+    got, predicted = fxmem.measure(lambda: m(x).backward()).peak_bytes, m.plan.predicted_peak_bytes
+    assert abs(got - predicted) <= 0.005 * predicted, (got / 2**20, predicted / 2**20)
 
 
 def test_a_recomputed_relu_a_matmul_reads_through_a_view_is_stored_as_planned(monkeypatch):
