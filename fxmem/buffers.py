@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem.kernels import LAYOUT_COPY, SCATTERS, op_name, reach
+from fxmem.nodes import one_element
 
 __all__ = [
     "copied_per_reader",
@@ -81,10 +82,10 @@ def copied_per_reader(
     applies a heavy op (`is_heavy`: a mask two layers' attention read, the sigmoid of a table;
     copied per call, the plan was 5 MiB under the measured peak and broke its budget). `mat`
     marks these values stored (read by a library call); the caller unmarks them. A
-    one-element input (a loss's gradient) is no load, and a forward value the backward reads
-    is one: the backward is compiled apart and reads it from memory (a residual stream whose
-    square's gradient an attention's backward reads). `graph`: (nodes, inputs, users,
-    storage)."""
+    one-element input (a loss's gradient; a view of one, expanded, is judged by it) is no
+    load, and a forward value the backward reads is one: the backward is compiled apart and
+    reads it from memory (a residual stream whose square's gradient an attention's backward
+    reads). `graph`: (nodes, inputs, users, storage)."""
     nodes, inputs, users, storage = graph
     holders: dict[int, list[int]] = {}  # storage -> the value and its views, in graph order
     for j, s in enumerate(storage):
@@ -102,12 +103,12 @@ def copied_per_reader(
             for j in inputs[i]
             if storage[j] >= 0 and not mat[storage[j]] and inlinable[j] and backward[j] == backward[i]
         ]
-        loaded = [
-            j
+        loaded = sum(
+            1
             for j in inputs[i]
-            if storage[j] >= 0 and j not in inline and not _single_element(nodes[holders[storage[j]][0]])
-        ]
-        loads[i] = len(loaded) + sum(loads[j] for j in inline)
+            if storage[j] >= 0 and j not in inline and not one_element(nodes[holders[storage[j]][0]])
+        )
+        loads[i] = loaded + sum(loads[j] for j in inline)
         heavy[i] = is_heavy(n) or any(heavy[j] for j in inline)
         if holders[s][0] != i:
             continue  # a view of a value: judged with it
@@ -127,13 +128,6 @@ def copied_per_reader(
         ):
             copied.add(i)
     return copied
-
-
-def _single_element(node: fx.Node) -> bool:
-    """A one-element tensor (a loss's gradient, a scale; a view of one, expanded, is judged by
-    it): inductor counts no read of it."""
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.numel() == 1
 
 
 def _store_for_reads(graph: tuple, mat: list[bool], inlinable: list[bool], backward: list[bool]) -> None:

@@ -17,7 +17,7 @@ from fxmem import _torch_private as tp
 from fxmem.cleanup import save_as_traced
 from fxmem.graph import FWD, PRIMAL, JointGraph
 from fxmem.kernels import is_fusible, is_inlinable, is_view_op
-from fxmem.nodes import aliased_input
+from fxmem.nodes import aliased_input, one_element
 from fxmem.planner import Choice
 
 __all__ = ["emit_graphs"]
@@ -177,8 +177,7 @@ def _loads(node: fx.Node, limit: int = 2) -> int:
     todo = [node]
     while todo:
         for j in todo.pop().all_input_nodes:
-            val = j.meta.get("val")
-            if j in seen or not isinstance(val, torch.Tensor) or val.numel() == 1:
+            if j in seen or not isinstance(j.meta.get("val"), torch.Tensor) or one_element(j):
                 continue
             seen.add(j)
             if j.op == "call_function" and is_inlinable(j):

@@ -14,7 +14,7 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem.cost import tensor_bytes
 
-__all__ = ["aliased_input", "module_path", "retrace_views", "source_line", "transient_bytes"]
+__all__ = ["aliased_input", "module_path", "one_element", "retrace_views", "source_line", "transient_bytes"]
 
 # Ops that must run exactly once: their values cannot be reproduced by running them again.
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
@@ -111,6 +111,13 @@ def transient_bytes(node: fx.Node) -> int:
         return own
     read = {u.args[1] for u in node.users if u.target is operator.getitem}
     return own + sum(tensor_bytes(v) for k, v in enumerate(val) if k not in read and isinstance(v, torch.Tensor))
+
+
+def one_element(node: fx.Node) -> bool:
+    """Whether the node's value is a one-element tensor (a loss's gradient, a scale): a fusing
+    compiler's kernels read it as a scalar, not as a buffer they load from."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() == 1
 
 
 def aliased_input(node: fx.Node) -> fx.Node | None:
