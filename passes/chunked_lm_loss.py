@@ -9,6 +9,12 @@ After::
 
     loss = chunked_cross_entropy(h, w_vocab, None, y, ignore_index=-100, reduction="mean", rows=...)
 
+Heads that do one more thing to their logits before the loss are chunked with it: a scale
+(Cohere's `logits * logit_scale`, Granite's `logits / logits_scaling`), a soft cap (Gemma 2's
+`tanh(logits / c) * c`), each by a number, and a bias buffer added (BART's
+`final_logits_bias`, folded into the head's bias). Each chunk applies it to its logits and
+takes its gradient back through it.
+
 Each chunk of rows forms its logits, its log-sum-exp, its loss and — in the forward, at once —
 its gradient with respect to `h` and `w_vocab` (softmax minus one-hot, times the chunk's
 inputs), so neither the (B*T, V) logits nor their log-softmax nor their gradient is ever
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +65,7 @@ _MIN_VOCAB_RATIO = 4
 # own work (CPU, GPT of d192, V 8192, 1536 rows: 32 chunks of 48 rows 0.556 s a step, 16 of 96
 # rows 0.493 s, the same floor).
 _MAX_CHUNKS = 32
-_SCALARS = ("b", "rows", "vocab", "weight", "ignore_index", "reduction", "label_smoothing")
+_SCALARS = ("b", "rows", "vocab", "weight", "ignore_index", "reduction", "label_smoothing", "e")
 
 
 # 1: nanoGPT / HF ForCausalLMLoss — linear head, optional fp32 upcast, flatten, cross-entropy.
@@ -73,12 +80,72 @@ def pattern_2(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_sm
     return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
 
 
-def replacement(h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad):
-    out = call_leaf(chunked_cross_entropy, h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad)
+# 3: HF Cohere — the logits scaled (`logits * self.logit_scale`).
+def pattern_3(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing, e):
+    logits = (F.linear(h, w, b) * e).float().view(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+# 4: HF Granite — the logits divided (`logits / self.config.logits_scaling`).
+def pattern_4(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing, e):
+    logits = (F.linear(h, w, b) / e).float().view(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+# 5: HF Gemma 2 / Gemma 3 — the logits capped softly (`final_logit_softcapping`).
+def pattern_5(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing, e):
+    logits = (torch.tanh(F.linear(h, w, b) / e) * e).float().view(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+# 6: HF BART / mBART / Pegasus — a bias buffer added to the logits (`final_logits_bias`).
+def pattern_6(h, w, b, y, rows, vocab, weight, ignore_index, reduction, label_smoothing, e):
+    logits = (F.linear(h, w, b) + e).float().view(rows, vocab)
+    return F.cross_entropy(logits, y, weight, None, ignore_index, None, reduction, label_smoothing)
+
+
+def replacement(h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad, epilogue=None, bias=None):
+    if bias is not None:  # pattern 6: the added bias is the head's
+        b = bias.reshape(-1) if b is None else b + bias.reshape(-1)
+    out = call_leaf(
+        chunked_cross_entropy, h, w, b, y, ignore_index, reduction, chunk_rows, return_logits, logits_grad, epilogue
+    )
     return (out[0], out[1]) if return_logits else (out,)
 
 
-def guard(m: Match) -> Refusal | None:
+def _guard(epilogue: str | None, logits: str) -> Callable[[Match], Refusal | None]:
+    """The guard of a rule whose logits are the pattern node `logits`, made from the head's
+    output by `epilogue` ("mul", "div", "softcap" by the number `e`; "bias": `e` added)."""
+
+    def guard(m: Match) -> Refusal | None:
+        refused = _epilogue_refused(m, epilogue)  # a Refusal is falsy: no `or` here
+        return _head_refused(m, logits) if refused is None else refused
+
+    return guard
+
+
+def _epilogue_refused(m: Match, epilogue: str | None) -> Refusal | None:
+    if epilogue is None:
+        return None
+    e = m.bindings["e"]
+    if epilogue == "bias":
+        bias, w = m.val("e"), m.val("w")
+        vocab = w.shape[0] if isinstance(w, torch.Tensor) and w.ndim == 2 else None
+        if not isinstance(bias, torch.Tensor) or bias.shape[-1:] != (vocab,) or bias.numel() != vocab:
+            return Refusal("what is added to the logits is not one bias per word")
+        if bias.dtype != w.dtype or bias.device != w.device:
+            return Refusal("the bias added to the logits is not of the head's dtype and device")
+        m.bindings["bias"] = e
+        return None
+    if isinstance(e, bool) or not isinstance(e, (int, float)):
+        return Refusal(f"the logits' {epilogue} is by a tensor, not a number")
+    if epilogue != "mul" and e == 0:
+        return Refusal(f"the logits' {epilogue} is by zero")
+    m.bindings["epilogue"] = (epilogue, float(e))
+    return None
+
+
+def _head_refused(m: Match, logits: str) -> Refusal | None:
     h, w, y = m.val("h"), m.val("w"), m.val("y")
     if m.bindings["weight"] is not None or m.bindings["label_smoothing"] != 0.0:
         return Refusal("class weights or label smoothing")
@@ -98,7 +165,7 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("the head's input rows do not match the targets")
     chunks = min(_MAX_CHUNKS, max(1, math.ceil(vocab / hidden)), math.ceil(2 * n / hidden), n)
     m.bindings["chunk_rows"] = math.ceil(n / chunks)
-    returned = m.escaped.get("linear", [])
+    returned = m.escaped.get(logits, [])
     m.bindings["return_logits"] = bool(returned)
     # Logits only returned to the caller, and with a gradient where the graph makes them (not
     # in a no_grad region), get it outside the compiled step (see
@@ -111,6 +178,33 @@ def guard(m: Match) -> Refusal | None:
 
 
 # --- the chunked computation -------------------------------------------------------------------
+
+
+def _scaled(x, epilogue):
+    """`x` times or divided by the epilogue's number: the logits from the head's output, and
+    (the epilogue being linear) the head's output's gradient from the logits'."""
+    op, e = epilogue
+    return x * e if op == "mul" else x / e
+
+
+def _epilogue(raw, epilogue):
+    """The logits from the head's output `raw`, as the model makes them: `epilogue` is None or
+    ("mul" | "div" | "softcap", number)."""
+    if epilogue is None:
+        return raw
+    if epilogue[0] == "softcap":
+        return torch.tanh(raw / epilogue[1]) * epilogue[1]
+    return _scaled(raw, epilogue)
+
+
+def _from_logits(grad, logits, epilogue):
+    """The gradient `grad` of the logits `logits` taken back through `epilogue` to the head's
+    output: d tanh(x/c)·c / dx = 1 - (tanh(x/c))²."""
+    if epilogue is None:
+        return grad
+    if epilogue[0] == "softcap":
+        return grad * (1 - (logits / epilogue[1]).square())
+    return _scaled(grad, epilogue)
 
 
 def _chunk_grad(logits, lse, y, valid):
@@ -171,17 +265,17 @@ class _LossAndGrads(torch.autograd.Function):
     """Loss only as output; the gradients are formed in the forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows):
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, epilogue):
         hidden, w_mm = w.shape[1], _matmul_weight(w)
         h2 = h.reshape(-1, hidden)
         total = h2.new_zeros((), dtype=torch.float32)
         dh_parts, dw, db = [], None, None
         chunks = zip(h2.split(chunk_rows), row_chunks(y, chunk_rows), row_chunks(valid, chunk_rows), strict=True)
         for hc, yc, vc in chunks:
-            logits = F.linear(hc, w_mm, b).float()  # (rows, V)
+            logits = _epilogue(F.linear(hc, w_mm, b), epilogue).float()  # (rows, V)
             loss, lse = _chunk_loss(logits, yc, vc)
             total = total + loss
-            grad = _chunk_grad(logits, lse, yc, vc).to(w.dtype)
+            grad = _from_logits(_chunk_grad(logits, lse, yc, vc), logits, epilogue).to(w.dtype)
             dh_parts.append(grad @ w_mm)
             dw = _accumulate(dw, grad, hc, w.dtype)
             if b is not None:
@@ -197,7 +291,7 @@ class _LossAndGrads(torch.autograd.Function):
         dh, dw, denominator = saved[0], saved[1], saved[-1]
         scale = grad_loss / denominator.clamp_min(1)  # no valid row: gradients 0, as eager's
         db = saved[2] * scale.to(saved[2].dtype) if ctx.has_bias else None
-        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None
+        return dh * scale.to(dh.dtype), dw * scale.to(dw.dtype), db, None, None, None, None, None
 
 
 class _LossAndLogits(torch.autograd.Function):
@@ -209,8 +303,8 @@ class _LossAndLogits(torch.autograd.Function):
     the loss frees them when the forward ends, and edits to them cannot reach the gradients."""
 
     @staticmethod
-    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, logits_grad):
-        logits = F.linear(h, w, b)
+    def forward(ctx, h, w, b, y, valid, denominator, chunk_rows, logits_grad, epilogue):
+        logits = _epilogue(F.linear(h, w, b), epilogue)
         flat = logits.view(-1, w.shape[0])
         total = flat.new_zeros((), dtype=torch.float32)
         lses = []
@@ -224,14 +318,14 @@ class _LossAndLogits(torch.autograd.Function):
             ctx.set_materialize_grads(False)
         saved_logits = logits if logits_grad else None  # without: formed again from h
         ctx.save_for_backward(h, w, b, saved_logits, torch.cat(lses), y, valid, denominator)
-        ctx.chunk_rows, ctx.dtype = chunk_rows, logits.dtype
+        ctx.chunk_rows, ctx.dtype, ctx.epilogue = chunk_rows, logits.dtype, epilogue
         return total / denominator, logits
 
     @staticmethod
     def backward(ctx, grad_loss, grad_logits):
         h, w, b, logits, lse, y, valid, denominator = ctx.saved_tensors
         if grad_loss is None:
-            return (None,) * 8
+            return (None,) * 9
         hidden, rows, vocab = w.shape[1], ctx.chunk_rows, w.shape[0]
         h2 = h.reshape(-1, hidden)
         flat = None if logits is None else logits.view(-1, vocab)
@@ -243,47 +337,58 @@ class _LossAndLogits(torch.autograd.Function):
         lses, ys, valids = (row_chunks(t, rows) for t in (lse, y, valid))
         for start, lc, yc, vc in zip(range(0, h2.shape[0], rows), lses, ys, valids, strict=True):
             end = start + rows
-            chunk = flat[start:end] if flat is not None else F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt)
-            grad = _chunk_grad(chunk.float(), lc, yc, vc) * scale
+            if flat is not None:
+                chunk = flat[start:end].float()
+            else:
+                chunk = _epilogue(F.linear(h2[start:end].to(ctx.dtype), w_dt, b_dt), ctx.epilogue).float()
+            grad = _chunk_grad(chunk, lc, yc, vc) * scale
             if g_flat is not None:
                 grad = grad + g_flat[start:end].float()
-            grad = grad.to(w.dtype)
+            grad = _from_logits(grad, chunk, ctx.epilogue).to(w.dtype)
             dh_parts.append(grad @ w_mm)
             dw = _accumulate(dw, grad, h2[start:end], w.dtype)
             if b is not None:
                 db = grad.sum(0) if db is None else db + grad.sum(0)
-        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None
+        return torch.cat(dh_parts).view(h.shape), dw, db, None, None, None, None, None, None
 
 
 class _LogitsGradient(torch.autograd.Function):
-    """The logits `F.linear(h, w, b)` the compiled step returned without a gradient, given it
-    again: their gradient `g` goes to `h` (`g @ w`), `w` (`g.T @ h`) and `b`. When the caller's
-    backward sends none — the loss alone is trained on — nothing runs, and the step's backward
-    receives zeros the size of `h` for it instead of zeros the size of the logits."""
+    """The logits `F.linear(h, w, b)` (through `epilogue`) the compiled step returned without a
+    gradient, given it again: their gradient `g`, taken back through the epilogue, goes to `h`
+    (`g @ w`), `w` (`g.T @ h`) and `b`. When the caller's backward sends none — the loss alone
+    is trained on — nothing runs, and the step's backward receives zeros the size of `h` for it
+    instead of zeros the size of the logits. A soft cap's slope reads the logits: they are
+    formed again from `h` (the caller's may have been freed or edited)."""
 
     @staticmethod
-    def forward(ctx, logits, h, w, b):
+    def forward(ctx, logits, h, w, b, epilogue):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(h, w)
+        ctx.save_for_backward(h, w, b)
         ctx.bias_dtype = None if b is None else b.dtype
+        ctx.epilogue = epilogue
         return logits
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None, None
-        h, w = ctx.saved_tensors
+            return None, None, None, None, None
+        h, w, b = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.reshape(-1, w.shape[0])
+            logits = None
+            if ctx.epilogue is not None and ctx.epilogue[0] == "softcap":
+                b_g = None if b is None else b.to(g.dtype)
+                logits = _epilogue(F.linear(h.reshape(g.shape[0], -1).to(g.dtype), w.to(g.dtype), b_g), ctx.epilogue)
+            g = _from_logits(g, logits, ctx.epilogue)
             dh = (g @ w.to(g.dtype)).view(h.shape).to(h.dtype) if ctx.needs_input_grad[1] else None
             dw = (g.t() @ h.reshape(-1, w.shape[1]).to(g.dtype)).to(w.dtype) if ctx.needs_input_grad[2] else None
             db = g.sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[3] else None
-        return None, dh, dw, db
+        return None, dh, dw, db, None
 
 
-def _logits_hook(logits_at: list[int]):
+def _logits_hook(logits_at: list[int], epilogue):
     """The output hook for logits returned at `logits_at`, formed from the outputs `h`, `w`
-    (and `b`) the graph returns beside them."""
+    (and `b`) the graph returns beside them, through `epilogue`."""
 
     def hook(outputs: list, positions: list[int]) -> None:
         h, w, b = [outputs[p] for p in positions] + [None] * (3 - len(positions))
@@ -292,7 +397,7 @@ def _logits_hook(logits_at: list[int]):
         # enable it itself); the step's h, w, b carry theirs.
         if any(t is not None and t.requires_grad for t in (h, w, b)):
             with torch.enable_grad():
-                logits = _LogitsGradient.apply(logits, h, w, b)
+                logits = _LogitsGradient.apply(logits, h, w, b, epilogue)
         for p in logits_at:
             outputs[p] = logits
 
@@ -309,37 +414,67 @@ def _give_logits_their_gradient(gm) -> None:
         logits = {u for u in node.users if u.target is operator.getitem and u.args[1] == 1}
         logits_at = [i for i, v in enumerate(outputs) if v in logits]
         h, w, b = node.args[:3]
-        return_outside(gm, [h, w] if b is None else [h, w, b], _logits_hook(logits_at))
+        return_outside(gm, [h, w] if b is None else [h, w, b], _logits_hook(logits_at, node.args[9]))
 
 
 def chunked_cross_entropy(
-    h, w, b, y, ignore_index=-100, reduction="mean", chunk_rows=1024, return_logits=False, logits_grad=True
+    h,
+    w,
+    b,
+    y,
+    ignore_index=-100,
+    reduction="mean",
+    chunk_rows=1024,
+    return_logits=False,
+    logits_grad=True,
+    epilogue=None,
 ):
     """`F.cross_entropy(F.linear(h, w, b).float().view(-1, V), y, ...)` by chunks of `chunk_rows`
     rows. With `return_logits`, `(loss, logits)`; `logits_grad=False` returns the logits
-    without a gradient (the step's output hook gives them theirs)."""
+    without a gradient (the step's output hook gives them theirs). `epilogue`: None, or the
+    logits made from the head's output by ("mul", s), ("div", s) or ("softcap", c), the last
+    `tanh(x / c) * c`."""
     y = y.reshape(-1)
     valid = y != ignore_index
     safe_y = torch.where(valid, y, 0)
     valid_f = valid.float()
     denominator = valid_f.sum() if reduction == "mean" else torch.ones((), device=y.device)
     if return_logits:
-        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, logits_grad)
+        return _LossAndLogits.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, logits_grad, epilogue)
     if not torch.is_grad_enabled():  # no backward to prepare for
         h2 = h.reshape(-1, w.shape[1])
         total = sum(
             _chunk_loss(
-                F.linear(h2[s : s + chunk_rows], w, b).float(), safe_y[s : s + chunk_rows], valid_f[s : s + chunk_rows]
+                _epilogue(F.linear(h2[s : s + chunk_rows], w, b), epilogue).float(),
+                safe_y[s : s + chunk_rows],
+                valid_f[s : s + chunk_rows],
             )[0]
             for s in range(0, h2.shape[0], chunk_rows)
         )
         return total / denominator
-    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows)
+    return _LossAndGrads.apply(h, w, b, safe_y, valid_f, denominator, chunk_rows, epilogue)
 
 
+# pattern, what makes the logits from the head's output, the pattern node holding the logits
+_TABLE = [
+    (pattern_1, None, "linear"),
+    (pattern_2, None, "linear"),
+    (pattern_3, "mul", "mul"),
+    (pattern_4, "div", "truediv"),
+    (pattern_5, "softcap", "mul"),
+    (pattern_6, "bias", "add"),
+]
 _RULES = [
-    Rule(f"lm_loss_{i}", pat, replacement, guard=guard, scalars=_SCALARS, optional=("float",), may_escape=("linear",))
-    for i, pat in enumerate([pattern_1, pattern_2], start=1)
+    Rule(
+        f"lm_loss_{i}",
+        pattern,
+        replacement,
+        guard=_guard(epilogue, logits),
+        scalars=_SCALARS,
+        optional=("float",),
+        may_escape=(logits,),
+    )
+    for i, (pattern, epilogue, logits) in enumerate(_TABLE, start=1)
 ]
 
 _rule_pass = RulePass("chunked_lm_loss", _RULES)

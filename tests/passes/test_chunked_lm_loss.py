@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import re
 
 import pytest
@@ -31,18 +32,40 @@ TOL = 1e-5
 HIDDEN, VOCAB = 16, 128  # 8x: the pass fires (it needs 4x)
 
 
+# What a head's logits go through before the loss, as HF writes it (a cap of 2: the logits
+# of this head reach it, so the tanh bends them).
+EPILOGUES = {
+    "mul": lambda m, logits: logits * 0.0625,  # Cohere
+    "div": lambda m, logits: logits / 3.0,  # Granite
+    "softcap": lambda m, logits: torch.tanh(logits / 2.0) * 2.0,  # Gemma 2
+    "bias": lambda m, logits: logits + m.final_logits_bias,  # BART
+}
+
+
 class Head(nn.Module):
-    def __init__(self, vocab=VOCAB, bias=False, flatten="view", return_logits=False, contiguous=False, **loss_kwargs):
+    def __init__(
+        self,
+        vocab=VOCAB,
+        bias=False,
+        flatten="view",
+        return_logits=False,
+        contiguous=False,
+        epilogue=None,
+        **loss_kwargs,
+    ):
         super().__init__()
         self.body = nn.Linear(HIDDEN, HIDDEN)
         self.head = nn.Linear(HIDDEN, vocab, bias=bias)
         self.flatten, self.return_logits, self.loss_kwargs = flatten, return_logits, loss_kwargs
-        self.contiguous = contiguous
+        self.contiguous, self.epilogue = contiguous, epilogue
+        self.register_buffer("final_logits_bias", torch.randn(1, vocab))
 
     def forward(self, x, y):
         logits = self.head(torch.tanh(self.body(x)))  # (B, T, V)
         if self.contiguous:  # as OPT's head
             logits = logits.contiguous()
+        if self.epilogue:
+            logits = EPILOGUES[self.epilogue](self, logits)
         flat = getattr(logits, self.flatten)(-1, logits.size(-1))
         loss = F.cross_entropy(flat, y.view(-1), **self.loss_kwargs)
         return (loss, logits) if self.return_logits else loss
@@ -92,9 +115,18 @@ def _chunked_nodes(gm):
         ({"reduction": "sum"}, -100),
         ({"reduction": "sum", "bias": True, "ignore_index": 7}, 7),
         ({"contiguous": True}, -100),
+        ({"epilogue": "mul"}, -100),
+        ({"epilogue": "div", "reduction": "sum"}, None),
+        ({"epilogue": "softcap"}, -100),
+        ({"epilogue": "softcap", "bias": True}, None),
+        ({"epilogue": "bias"}, -100),
+        ({"epilogue": "bias", "bias": True}, None),
     ],
-    ids=["plain", "bias", "reshape", "ignore-100", "ignore-1", "sum", "sum-bias-ignore7", "contiguous"],
-)
+    ids=[
+        "plain", "bias", "reshape", "ignore-100", "ignore-1", "sum", "sum-bias-ignore7", "contiguous",
+        "scaled", "divided-sum", "softcapped", "softcapped-bias", "bias-added", "bias-added-to-bias",
+    ],
+)  # fmt: skip
 def test_head_forms_chunked_and_exact(kwargs, ignore):
     torch.manual_seed(0)
     model = Head(**kwargs)
@@ -104,6 +136,10 @@ def test_head_forms_chunked_and_exact(kwargs, ignore):
     assert not calls(gm, F.cross_entropy) and not calls(gm, F.linear)[1:], gm.code  # only the body's linear
     assert node.args[4] == kwargs.get("ignore_index", -100) and node.args[5] == kwargs.get("reduction", "mean")
     assert node.args[6] < 50, "more than one chunk"
+    epilogue = kwargs.get("epilogue")
+    expected = {"mul": ("mul", 0.0625), "div": ("div", 3.0), "softcap": ("softcap", 2.0)}.get(epilogue)
+    assert node.args[9] == expected
+    assert not calls(gm, torch.tanh)[1:] and not calls(gm, operator.mul), gm.code  # only the body's tanh
     gm, fired = _assert_exact(model, x, y)
     assert fired == 1
 
@@ -127,11 +163,15 @@ def test_a_batch_with_every_label_ignored_gives_zero_gradients_as_eager(return_l
     assert all(torch.equal(p.grad, torch.zeros_like(p.grad)) for p in model.parameters())
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"contiguous": True}, {"bias": True}], ids=["linear", "contiguous", "bias"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"contiguous": True}, {"bias": True}, *({"epilogue": e, "bias": True} for e in EPILOGUES)],
+    ids=["linear", "contiguous", "bias", *(f"{e}-epilogue" for e in EPILOGUES)],
+)
 def test_logits_returned_are_eagers_and_carry_their_gradient(kwargs):
     """Logits only returned leave the step without a gradient and get it outside (the graph
     returns the head's input beside them); a loss on the logits alone, or on both, trains as
-    eager does."""
+    eager does, through what the head does to its logits."""
     torch.manual_seed(0)
     model = Head(return_logits=True, **kwargs)
     x, y = _batch(ignore=-100)
@@ -200,14 +240,17 @@ def test_returned_logits_have_a_gradient_exactly_where_eagers_do(model_cls):
             assert torch.allclose(other, g, rtol=TOL, atol=1e-7), name
 
 
-def test_logits_the_graph_reads_again_keep_their_gradient_inside():
+@pytest.mark.parametrize("epilogue", [None, "softcap", "bias"])
+def test_logits_the_graph_reads_again_keep_their_gradient_inside(epilogue):
     class Softmaxed(Head):
         def forward(self, x, y):
             logits = self.head(torch.tanh(self.body(x)))
+            if self.epilogue:
+                logits = EPILOGUES[self.epilogue](self, logits)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)), logits.softmax(-1)
 
     torch.manual_seed(0)
-    model = Softmaxed(bias=True)
+    model = Softmaxed(bias=True, epilogue=epilogue)
     x, y = _batch(ignore=-100)
     gm, fired = _assert_exact(model, x, y, loss=lambda out: out[0] + out[1][..., 0].sum())
     assert fired == 1
@@ -463,6 +506,29 @@ def _hf(name):
             enable_bias=False,
         )  # fmt: skip
         return transformers.OPTForCausalLM._from_config(cfg, attn_implementation="eager")
+    if name in ("cohere", "gemma2"):  # logits scaled; logits capped softly
+        config, model = {
+            "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
+            "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        }[name]
+        extra = {"final_logit_softcapping": 1.0} if name == "gemma2" else {}  # its logits reach 1
+        cfg = config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            **extra,
+        )  # fmt: skip
+        return model._from_config(cfg, attn_implementation="eager")
+    if name == "bart":  # a bias buffer added to the logits
+        cfg = transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0,
+            eos_token_id=0, decoder_start_token_id=0,
+        )  # fmt: skip
+        model = transformers.BartForConditionalGeneration._from_config(cfg, attn_implementation="eager")
+        with torch.no_grad():  # zeros when made
+            model.final_logits_bias.normal_()
+        return model
     cfg = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
@@ -470,7 +536,7 @@ def _hf(name):
     return transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="eager")
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "opt", "cohere", "gemma2", "bart"])
 def test_hf_causal_lm_loss_and_logits(name):
     model = _hf(name).train()
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -541,6 +607,42 @@ def test_refused_and_untouched(kwargs, reason):
     assert any(reason in r for _, _, r in chunked_lm_loss.refusals), chunked_lm_loss.refusals
     assert calls(gm, F.cross_entropy) and not _chunked_nodes(gm)
     _, fired = _assert_exact(model, x, y, loss=lambda out: out.sum())
+    assert fired == 0
+
+
+class _LearnedScale(Head):
+    """Logits scaled by a parameter: the scale's gradient reads the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, y):
+        logits = self.head(torch.tanh(self.body(x))) * self.scale
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+class _PerRowBias(Head):
+    """A bias per row added to the logits: none of the head's."""
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(x))
+        logits = self.head(h) + h.mean(-1, keepdim=True)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+
+@pytest.mark.parametrize(
+    "model_cls, reason",
+    [(_LearnedScale, "by a tensor"), (_PerRowBias, "not one bias per word")],
+    ids=["learned-scale", "per-row-bias"],
+)
+def test_logits_made_by_tensors_are_refused(model_cls, reason):
+    torch.manual_seed(0)
+    model = model_cls()
+    x, y = _batch()
+    _chunk(model, x, y, expect=0)
+    assert any(reason in r for _, _, r in chunked_lm_loss.refusals), chunked_lm_loss.refusals
+    _, fired = _assert_exact(model, x, y)
     assert fired == 0
 
 
