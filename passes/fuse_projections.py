@@ -17,6 +17,14 @@ gradients flow back to each original weight; the planner decides whether the con
 weight is kept for the backward or concatenated again. Runs after swap_sdpa (which reads
 q/k/v as separate values) and before bf16_regions (which casts whole regions).
 
+Only projections the model computes one after another are fused: a group is split where
+another matmul runs between two of its projections. Cohere's attention and feed-forward both
+read the layer's normed input, the feed-forward after the attention; fused as one, the
+feed-forward's projections were made before the attention and the attention's held through
+the feed-forward, the split keeping all alive until the last part was read (one layer at 8 x
+512 tokens under inductor, nothing recomputed: 23.6 MiB measured, 18.5 unfused). Fused as two,
+q/k/v and gate/up, each part lives as its unfused projection would.
+
 Exact: each output column is the same dot product, to float rounding. Biases may be present
 on all or none of the group; output sizes may differ.
 """
@@ -78,13 +86,24 @@ def _bias(node: fx.Node) -> Any:
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
 
 
+# Ops that multiply matrices: one between two projections of a group splits it.
+_MATMULS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
+
+
 def _groups(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """Per input, its linear users in runs that no other matmul interrupts (graph order)."""
+    nodes = list(graph.nodes)
     groups = []
     for x in graph.nodes:
-        linears = [u for u in x.users if op_key(u) == "linear" and u.args[0] is x]
-        if len(linears) >= 2:
-            groups.append((x, sorted(linears, key=order.__getitem__)))
-    return groups
+        linears = sorted((u for u in x.users if op_key(u) == "linear" and u.args[0] is x), key=order.__getitem__)
+        run: list[fx.Node] = []
+        for node in linears:
+            if run and any(op_key(n) in _MATMULS for n in nodes[order[run[-1]] + 1 : order[node]]):
+                groups.append((x, run))
+                run = []
+            run.append(node)
+        groups.append((x, run))
+    return [(x, run) for x, run in groups if len(run) >= 2]
 
 
 def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:

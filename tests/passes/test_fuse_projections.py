@@ -117,6 +117,34 @@ def test_two_groups_in_one_graph():
     assert len(calls(gm, F.linear)) == 3
 
 
+class _ParallelBlock(nn.Module):
+    """Cohere's layer: the attention and the feed-forward both read one normed input, the
+    feed-forward after the attention (its output projection a matmul between them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.o, self.mlp = QKV(False), nn.Linear(C, C, bias=False), SwiGLU()
+
+    def forward(self, x):
+        h = F.layer_norm(x, (C,))
+        return x + self.o(self.attn(h).expand(-1, -1, C)) + self.mlp(h)
+
+
+def test_projections_with_a_matmul_between_them_are_fused_apart():
+    """q/k/v, then the attention's output projection, then gate/up: two fused groups, made
+    where the unfused projections were (fused as one, gate/up would be made before the
+    attention and q/k/v held through the feed-forward)."""
+    torch.manual_seed(0)
+    gm, fired = _assert_exact(_ParallelBlock(), _x())
+    assert fired == 2
+    fused = [n for n in calls(gm, F.linear) if n.meta["example_value"].shape[-1] > C]
+    assert sorted(n.meta["example_value"].shape[-1] for n in fused) == [3 * C, 2 * 88]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out_proj, _down = [n for n in calls(gm, F.linear) if n not in fused]  # graph order
+    qkv, gate_up = sorted(fused, key=order.__getitem__)
+    assert order[qkv] < order[out_proj] < order[gate_up]
+
+
 def test_end_to_end_state_dict_and_gradients_land_on_original_parameters():
     torch.manual_seed(0)
     model = _Loss(QKV(True, (C, C // 2, C // 2)))
