@@ -9,6 +9,7 @@ inline is in `fxmem.kernels`. Each rule was checked against inductor's generated
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -291,16 +292,19 @@ def store_reused(
     again by `simulate`'s `inlined`. A value whose readers all feed one element-wise value
     written out (through values computed inline: a SiLU's sigmoid, read twice by its
     gradient) is computed in that value's loop, its buffer dropped (UNet's SiLU gradients
-    before their group norm's backward), when both loops run over the same nest; one a
-    reduction reads, or two written values, is read by loops of its own (a batch norm's
-    backward sums). `graph`: (nodes, inputs, users, storage)."""
+    before their group norm's backward), when both loops run over the same nest and no library
+    call runs between them (fxmem keeps inductor from fusing across one: the sigmoid of a gate
+    projection fused with q/k/v, whose gradient is written into the concatenation of all five
+    after the attention's backward); one a reduction reads, or two written values, is read by
+    loops of its own (a batch norm's backward sums). `graph`: (nodes, inputs, users, storage)."""
     nodes, inputs, users, storage = graph
+    calls = [k for k, n in enumerate(nodes) if not fusible[k] and n.op == "call_function"]
     for i in range(len(storage) - 1, -1, -1):  # readers first: whether they are written
         s = storage[i]
         if not backward[i] or s < 0 or mat[s] or not inlinable[i] or not stored[i]:
             continue
         readers = [u for u in users[i] if fusible[u]]
-        if len(readers) > 1 and not _one_loop(i, graph, mat, inlinable):
+        if len(readers) > 1 and not _one_loop(i, graph, mat, inlinable, calls):
             mat[s] = True
 
 
@@ -331,12 +335,13 @@ def stored_in_forward(
     }
 
 
-def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> bool:
+def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool], calls: list[int]) -> bool:
     """Whether what node `i`'s readers compute inline from it ends in one element-wise value
-    written out, in a loop nest of the same sizes as `i`'s own: the loop writing that value
-    computes `i` too, and no other loop reads `i`. A concatenation's input is written out, into
-    the concatenation's buffer (the SiLU gradient of fused gate and up projections, beside the
-    up projection's gradient). On CPU, where the nests differ, `i`'s loop writes it to a buffer
+    written out, in a loop nest of the same sizes as `i`'s own and with no library call
+    (`calls`: their positions) between `i` and it: the loop writing that value computes `i`
+    too, and no other loop reads `i`. A concatenation's input is written out, into the
+    concatenation's buffer, where the concatenation is (the SiLU gradient of fused gate and up
+    projections, beside the up projection's gradient). On CPU, where the nests differ, `i`'s loop writes it to a buffer
     the other reads (a batch norm's output, whose loop runs over N*H*W and C, read by a SiLU's
     gradient that adds a mean pooling's gradient: N, H*W and C). Inductor's GPU kernels fuse loops over as many elements whatever their sizes."""
     nodes, inputs, users, storage = graph
@@ -358,6 +363,10 @@ def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool]) -> b
     if len(ends) != 1:
         return False
     (end,) = ends
+    written_at = next((r for r in users[end] if op_name(nodes[r]) == "cat"), end)
+    k = bisect.bisect_right(calls, i)
+    if k < len(calls) and calls[k] < written_at:
+        return False
     val = nodes[i].meta.get("val")
     if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
         return True

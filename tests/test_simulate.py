@@ -778,6 +778,31 @@ def test_a_value_read_twice_by_a_concatenated_value_is_computed_in_its_loop():
     assert mat[cat]
 
 
+def test_a_value_a_library_call_parts_from_its_concatenated_reader_is_stored():
+    """A gate projection fused with q/k/v (all five read one input): its SiLU gradient is
+    written into the concatenation of the five gradients, after the attention's backward.
+    Inductor stores the sigmoid where the graph has it, and fxmem keeps it from fusing that
+    loop across the attention's backward into the concatenation's: the sigmoid's buffer lives
+    until then (one such block unconstrained under inductor measured 25.20 MiB, 2 MiB over
+    its plan, which now predicts 25.21). With no library call between, the loop writing the
+    gradient computes the sigmoid."""
+
+    def f(x, grad, a, b, call_between):
+        if not call_between:
+            other = a @ b
+        sig = torch.sigmoid(x)
+        if call_between:
+            other = a @ b
+        dx = grad * sig * (1 + x * (1 - sig))
+        return torch.cat([dx, other], dim=1) * 1.0
+
+    for call_between in (False, True):
+        nodes, mat, sig = _written_out_after_reuse(
+            functools.partial(f, call_between=call_between), *(torch.randn(8, 8) for _ in range(4)), of_input=False
+        )
+        assert mat[sig] is call_between, call_between
+
+
 def test_a_reduction_over_a_few_elements_is_computed_in_its_readers():
     """Inductor writes a sum over fewer than eight elements per output as element-wise loops
     (Falcon's key gradients, summed over the four heads that share them); a longer one, or
