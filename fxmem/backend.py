@@ -8,6 +8,7 @@ here, once, into an `Options`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -43,6 +44,7 @@ __all__ = ["Options", "fxmem_backend", "recent_plans"]
 
 log = logging.getLogger("fxmem")
 _FLOOR = operator.attrgetter("floor_bytes")  # of a BudgetError
+FUSE = "fuse_projections"  # planned without when the budget is below the floor with it
 
 # Compiles a graph (rewrites fired, batch slices) under a budget in bytes; raises BudgetError.
 CompileGraph = Callable[[fx.GraphModule, dict[str, int], int, "int | None"], Any]
@@ -202,6 +204,14 @@ def _inline_fixed_sizes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose graph the passes may rewrite while `gm` stays as it is (the
+    nodes' example values are shared)."""
+    copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    copied.meta.update(gm.meta)
+    return copied
+
+
 def _refuse_data_dependent_sizes(gm: fx.GraphModule) -> None:
     """Raise `DataDependentShapeError` naming the first value whose size the data decides."""
     for node in gm.graph.nodes:
@@ -247,7 +257,11 @@ def fxmem_backend(
     _fix_shapes(example_inputs)
     _inline_fixed_sizes(gm)
     _refuse_data_dependent_sizes(gm)
-    gm, fired = run_passes(gm, example_inputs, opts.pass_names())
+    names = opts.pass_names()
+    # Passes named explicitly run as named; by default, fused projections that raise the floor
+    # above the budget are planned apart (see below).
+    captured = _graph_copy(gm) if opts.passes is None and FUSE in names else None
+    gm, fired = run_passes(gm, example_inputs, names)
     state_bytes, step_bytes = optimizer_bytes(opts.optimizer)
 
     made: list[Plan] = []  # this graph's plans; the last is the one it runs
@@ -298,14 +312,39 @@ def fxmem_backend(
             decompositions=_EAGER_DECOMPOSITIONS,
         )(graph, example_inputs)
 
-    slicing = MICROBATCH in opts.pass_names()
-    if opts.plan is not None and opts.plan.batch_slices > 1:  # the graph the saved plan was made for
-        sliced, blocks = microbatch_blocks(gm, opts.plan.batch_slices)
-        compiled = compile_graph(sliced, {**fired, MICROBATCH: blocks}, opts.plan.batch_slices, opts.budget_bytes)
-    elif slicing:
-        compiled = _compile_sliced_if_needed(gm, fired, compile_graph, opts.budget_bytes)
+    def compile_step(graph: fx.GraphModule, rewrites: dict[str, int]) -> Any:
+        if opts.plan is not None and opts.plan.batch_slices > 1:  # the graph the saved plan was made for
+            sliced, blocks = microbatch_blocks(graph, opts.plan.batch_slices)
+            return compile_graph(sliced, {**rewrites, MICROBATCH: blocks}, opts.plan.batch_slices, opts.budget_bytes)
+        if MICROBATCH in names:
+            return _compile_sliced_if_needed(graph, rewrites, compile_graph, opts.budget_bytes)
+        return compile_graph(graph, rewrites, 1, opts.budget_bytes)
+
+    def apart() -> tuple[fx.GraphModule, dict[str, int]]:
+        assert captured is not None
+        graph, rewrites = run_passes(captured, example_inputs, [n for n in names if n != FUSE])
+        return graph, {n: rewrites.get(n, 0) for n in fired}
+
+    if captured is not None and fired[FUSE] and opts.plan is not None and not opts.plan.rewrites.get(FUSE):
+        gm, fired = apart()  # the saved plan was made with the projections apart
+        compiled = compile_step(gm, fired)
     else:
-        compiled = compile_graph(gm, fired, 1, opts.budget_bytes)
+        try:
+            compiled = compile_step(gm, fired)
+        except BudgetError as fused:
+            if captured is None or not fired[FUSE] or opts.plan is not None:
+                raise
+            # Fused, a group's output lives until its last part is read, and the backward
+            # concatenates the parts' gradients: below the floor so, plan them apart.
+            log.info(
+                "budget below the floor of %s with projections fused; planning them apart",
+                format_bytes(fused.floor_bytes),
+            )
+            gm, fired = apart()
+            try:
+                compiled = compile_step(gm, fired)
+            except BudgetError as e:
+                raise min(fused, e, key=_FLOOR) from None
     # Premises the passes took about module buffers; outputs they finish outside the step;
     # outputs the plan counted as let go before the backward.
     step = checked(with_output_hooks(compiled, gm), gm)
