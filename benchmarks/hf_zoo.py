@@ -65,6 +65,7 @@ _DECODER = dict(
     eos_token_id=0,
     pad_token_id=0,
 )
+_GQA = dict(_DECODER, num_key_value_heads=2)  # two key-value heads for four query heads
 
 
 def _tokens(padded: bool = False) -> dict[str, torch.Tensor]:
@@ -97,7 +98,6 @@ def _models(
     def vision(cls: Any, cfg: Any) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
         return lambda: (cls._from_config(cfg), _images())
 
-    gqa = dict(_DECODER, num_key_value_heads=2)
     return {
         "gpt2": lm(
             T.GPT2LMHeadModel,
@@ -112,12 +112,12 @@ def _models(
                 attn_pdrop=0,
             ),
         ),
-        "llama": lm(T.LlamaForCausalLM, T.LlamaConfig(**gqa)),
-        "mistral": lm(T.MistralForCausalLM, T.MistralConfig(**gqa)),
-        "qwen2": lm(T.Qwen2ForCausalLM, T.Qwen2Config(**gqa)),
-        "qwen3": lm(T.Qwen3ForCausalLM, T.Qwen3Config(**gqa, head_dim=16)),
-        "gemma": lm(T.GemmaForCausalLM, T.GemmaConfig(**gqa, head_dim=16)),
-        "phi3": lm(T.Phi3ForCausalLM, T.Phi3Config(**gqa)),
+        "llama": lm(T.LlamaForCausalLM, T.LlamaConfig(**_GQA)),
+        "mistral": lm(T.MistralForCausalLM, T.MistralConfig(**_GQA)),
+        "qwen2": lm(T.Qwen2ForCausalLM, T.Qwen2Config(**_GQA)),
+        "qwen3": lm(T.Qwen3ForCausalLM, T.Qwen3Config(**_GQA, head_dim=16)),
+        "gemma": lm(T.GemmaForCausalLM, T.GemmaConfig(**_GQA, head_dim=16)),
+        "phi3": lm(T.Phi3ForCausalLM, T.Phi3Config(**_GQA)),
         "gpt-neox": lm(T.GPTNeoXForCausalLM, T.GPTNeoXConfig(**_DECODER, **_NO_DROPOUT_NEOX)),
         "opt": lm(
             T.OPTForCausalLM,
@@ -169,8 +169,9 @@ def _models(
 
 
 def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
-    """Fifteen more: vision transformers and CNNs of other kinds, encoders, decoders with ALiBi,
-    parallel attention, rotary embeddings, a mixture of experts."""
+    """Nineteen more: vision transformers and CNNs of other kinds, encoders, decoders with ALiBi,
+    parallel attention, rotary embeddings, a mixture of experts, heads that scale, cap or bias
+    their logits."""
     stages = dict(hidden_sizes=[16, 32, 64, 64], depths=[1, 1, 1, 1], num_labels=10)
     vit = dict(
         _SHAPE,
@@ -253,6 +254,31 @@ def _more_models(T: Any, lm: Callable, vision: Callable) -> dict[str, Callable]:
         "mixtral": lm(
             T.MixtralForCausalLM,
             T.MixtralConfig(**_DECODER, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        # logits times 0.0625; divided by 8; capped softly (and the attention's scores too)
+        "cohere": lm(T.CohereForCausalLM, T.CohereConfig(**_GQA)),
+        "granite": lm(T.GraniteForCausalLM, T.GraniteConfig(**_GQA, logits_scaling=8.0)),
+        "gemma2": lm(T.Gemma2ForCausalLM, T.Gemma2Config(**_GQA, head_dim=16, sliding_window=128)),
+        "bart": lm(  # a bias buffer added to the logits
+            T.BartForConditionalGeneration,
+            T.BartConfig(
+                vocab_size=VOCAB,
+                d_model=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=128,
+                decoder_ffn_dim=128,
+                max_position_embeddings=SEQ,
+                dropout=0,
+                attention_dropout=0,
+                activation_dropout=0,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+                decoder_start_token_id=0,
+            ),
         ),
     }
 
