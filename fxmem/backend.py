@@ -206,9 +206,15 @@ def _inline_fixed_sizes(gm: fx.GraphModule) -> None:
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of `gm` whose graph the passes may rewrite while `gm` stays as it is (the
-    nodes' example values are shared)."""
+    nodes' example values are shared), with what Dynamo records beside the graph: the sources
+    of its inputs and parameters, which AOTAutograd reads."""
     copied = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), copied.graph.find_nodes(op="placeholder"), strict=True):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return copied
 
 

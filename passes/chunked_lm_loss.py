@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from fxmem.opaque import addmm as opaque_addmm
 from fxmem.opaque import row_chunks
-from fxmem.ops import example_value, static_shape
+from fxmem.ops import example_value, op_key, static_shape
 from fxmem.outputs import output_values, return_outside
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf
 
@@ -135,6 +135,11 @@ def _epilogue_refused(m: Match, epilogue: str | None) -> Refusal | None:
             return Refusal("what is added to the logits is not one bias per word")
         if bias.dtype != w.dtype or bias.device != w.device:
             return Refusal("the bias added to the logits is not of the head's dtype and device")
+        linear, added = (next(n for n in m.nodes if op_key(n) == k) for k in ("linear", "add"))
+        if example_value(added).dtype != example_value(linear).dtype:
+            # Under autocast the head's output is bf16 and the fp32 bias promotes the sum: folded
+            # into the head, the bias and the logits would be rounded to bf16.
+            return Refusal("adding the bias changes the logits' dtype")
         m.bindings["bias"] = e
         return None
     if isinstance(e, bool) or not isinstance(e, (int, float)):

@@ -631,10 +631,26 @@ class _PerRowBias(Head):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
+class _BiasUnderAutocast(Head):
+    """BART's head under bf16 autocast: the fp32 bias promotes the bf16 logits to fp32, which
+    folded into the head's bias would be rounded to bf16."""
+
+    def __init__(self):
+        super().__init__(epilogue="bias")
+
+    def forward(self, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x, y)
+
+
 @pytest.mark.parametrize(
     "model_cls, reason",
-    [(_LearnedScale, "by a tensor"), (_PerRowBias, "not one bias per word")],
-    ids=["learned-scale", "per-row-bias"],
+    [
+        (_LearnedScale, "by a tensor"),
+        (_PerRowBias, "not one bias per word"),
+        (_BiasUnderAutocast, "changes the logits' dtype"),
+    ],
+    ids=["learned-scale", "per-row-bias", "bias-promoting"],
 )
 def test_logits_made_by_tensors_are_refused(model_cls, reason):
     torch.manual_seed(0)
