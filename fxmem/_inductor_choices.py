@@ -5,9 +5,9 @@ Imported only when inductor compiles for fxmem: it imports inductor.
 
 from __future__ import annotations
 
-import bisect
-
 from torch._inductor.choices import InductorChoices
+
+from fxmem.kernels import any_between
 
 __all__ = ["FxmemChoices3"]
 
@@ -18,8 +18,7 @@ def _call_between(scheduler, first: int, last: int) -> bool:
     if calls is None:
         calls = sorted(n.min_order for n in scheduler.nodes if n.is_extern())
         scheduler._fxmem_library_calls = calls
-    k = bisect.bisect_right(calls, first)
-    return k < len(calls) and calls[k] < last
+    return any_between(calls, first, last)
 
 
 class FxmemChoices3(InductorChoices):

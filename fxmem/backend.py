@@ -331,26 +331,24 @@ def fxmem_backend(
         graph, rewrites = run_passes(captured, example_inputs, [n for n in names if n != FUSE])
         return graph, {n: rewrites.get(n, 0) for n in fired}
 
-    if captured is not None and fired[FUSE] and opts.plan is not None and not opts.plan.rewrites.get(FUSE):
+    may_part = captured is not None and fired[FUSE] > 0  # fused projections, which may be planned apart
+    if may_part and opts.plan is not None and not opts.plan.rewrites.get(FUSE):
         gm, fired = apart()  # the saved plan was made with the projections apart
+    try:
         compiled = compile_step(gm, fired)
-    else:
+    except BudgetError as fused:
+        if not may_part or opts.plan is not None:
+            raise
+        # Fused, a group's output lives until its last part is read, and the backward
+        # concatenates the parts' gradients: below the floor so, plan them apart.
+        log.info(
+            "budget below the floor of %s with projections fused; planning them apart", format_bytes(fused.floor_bytes)
+        )
+        gm, fired = apart()
         try:
             compiled = compile_step(gm, fired)
-        except BudgetError as fused:
-            if captured is None or not fired[FUSE] or opts.plan is not None:
-                raise
-            # Fused, a group's output lives until its last part is read, and the backward
-            # concatenates the parts' gradients: below the floor so, plan them apart.
-            log.info(
-                "budget below the floor of %s with projections fused; planning them apart",
-                format_bytes(fused.floor_bytes),
-            )
-            gm, fired = apart()
-            try:
-                compiled = compile_step(gm, fired)
-            except BudgetError as e:
-                raise min(fused, e, key=_FLOOR) from None
+        except BudgetError as e:
+            raise min(fused, e, key=_FLOOR) from None
     # Premises the passes took about module buffers; outputs they finish outside the step;
     # outputs the plan counted as let go before the backward.
     step = checked(with_output_hooks(compiled, gm), gm)

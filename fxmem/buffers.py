@@ -9,7 +9,6 @@ inline is in `fxmem.kernels`. Each rule was checked against inductor's generated
 
 from __future__ import annotations
 
-import bisect
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -17,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.kernels import LAYOUT_COPY, SCATTERS, op_name, reach
+from fxmem.kernels import LAYOUT_COPY, SCATTERS, any_between, op_name, reach
 from fxmem.nodes import one_element
 
 __all__ = [
@@ -364,8 +363,7 @@ def _one_loop(i: int, graph: tuple, mat: list[bool], inlinable: list[bool], call
         return False
     (end,) = ends
     written_at = next((r for r in users[end] if op_name(nodes[r]) == "cat"), end)
-    k = bisect.bisect_right(calls, i)
-    if k < len(calls) and calls[k] < written_at:
+    if any_between(calls, i, written_at):
         return False
     val = nodes[i].meta.get("val")
     if not isinstance(val, torch.Tensor) or val.device.type != "cpu":

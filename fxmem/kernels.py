@@ -9,6 +9,7 @@ is in `fxmem.buffers`; the opaque copies fxmem writes into the graphs it compile
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
@@ -20,6 +21,7 @@ _N = TypeVar("_N")
 
 __all__ = [
     "LAYOUT_COPY",
+    "any_between",
     "NEVER_WRITTEN_OVER",
     "SCATTERS",
     "dense_numel",
@@ -31,6 +33,14 @@ __all__ = [
     "op_name",
     "reach",
 ]
+
+
+def any_between(positions: list[int], first: int, last: int) -> bool:
+    """Whether one of `positions` (sorted) lies after `first` and before `last`: a library call
+    between two kernels, which fxmem keeps inductor from fusing across; a matmul between two
+    projections, which parts them."""
+    k = bisect.bisect_right(positions, first)
+    return k < len(positions) and positions[k] < last
 
 
 # Fusible ops whose result inductor writes to a buffer of its own (which a kernel fused with

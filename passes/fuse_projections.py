@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from fxmem.kernels import any_between
 from fxmem.ops import example_value, op_key, storage_of, storages_written
 from fxmem.rules import Refusal, insert_call
 
@@ -98,13 +99,13 @@ _MATMULS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "eins
 
 def _groups(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, list[fx.Node]]]:
     """Per input, its linear users in runs that no other matmul interrupts (graph order)."""
-    nodes = list(graph.nodes)
+    matmuls = [order[n] for n in graph.nodes if op_key(n) in _MATMULS]
     groups = []
     for x in graph.nodes:
         linears = sorted((u for u in x.users if op_key(u) == "linear" and u.args[0] is x), key=order.__getitem__)
         run: list[fx.Node] = []
         for node in linears:
-            if run and any(op_key(n) in _MATMULS for n in nodes[order[run[-1]] + 1 : order[node]]):
+            if run and any_between(matmuls, order[run[-1]], order[node]):
                 groups.append((x, run))
                 run = []
             run.append(node)

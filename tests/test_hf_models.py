@@ -19,6 +19,7 @@ from conftest import floor_plan, grads_of, max_rel_err, spy_on_partition, step, 
 from fxmem.passes.chunked_attention import _runs_math
 
 import fxmem
+from benchmarks._harness import train_step  # the loss alone kept: what keep_outputs=False plans for
 from fxmem.again import COPY_OF
 from fxmem.nodes import aliased_input
 from fxmem.pipeline import default_passes
@@ -324,20 +325,15 @@ def _planned_exactly_at_floor(model, ids: torch.Tensor, zero: float = 1e-12):
     passes = default_passes()
     kwargs = {"input_ids": ids, "labels": ids}
 
-    def loss_only(m):
-        loss = m(**kwargs).loss
-        loss.backward()
-        return loss.detach()
-
     _, ref = _eager_reference(model, kwargs)
     with pytest.raises(fxmem.BudgetError) as err:
         fxmem.optimize(model, 1e-6, example_inputs=kwargs, keep_outputs=False, passes=passes)
     floor = err.value.floor_bytes
     del err
     m = fxmem.optimize(model, floor * 1.03 / 2**30, keep_outputs=False, passes=passes)
-    loss_only(m)  # plans and compiles
+    train_step(m, kwargs)  # plans and compiles
     zero_grads(model)
-    got = fxmem.measure(loss_only, m)
+    got = fxmem.measure(train_step, m, kwargs)
     predicted = m.plan.predicted_peak_bytes
     assert got.peak_bytes <= m.plan.budget_bytes
     assert abs(got.peak_bytes - predicted) <= 0.005 * predicted, (got.peak_bytes / MiB, predicted / MiB)
@@ -458,15 +454,10 @@ def test_below_the_floor_with_fused_projections_they_are_planned_apart(tmp_path)
     assert fused_plan.rewrites["fuse_projections"] == 4 and plan.rewrites["fuse_projections"] == 0
     assert floor < 0.9 * fused, (floor / MiB, fused / MiB)
 
-    def loss_only(m):
-        loss = m(**kwargs).loss
-        loss.backward()
-        return loss.detach()
-
     m = fxmem.optimize(model, floor * 1.03 / 2**30, keep_outputs=False)
-    loss_only(m)  # plans and compiles
+    train_step(m, kwargs)  # plans and compiles
     zero_grads(model)
-    got = fxmem.measure(loss_only, m)
+    got = fxmem.measure(train_step, m, kwargs)
     assert m.plan.rewrites["fuse_projections"] == 0
     assert got.peak_bytes <= m.plan.budget_bytes, (got.peak_bytes / MiB, m.plan.budget_bytes / MiB)
     predicted = m.plan.predicted_peak_bytes
@@ -476,7 +467,7 @@ def test_below_the_floor_with_fused_projections_they_are_planned_apart(tmp_path)
     m.plan.save(tmp_path, files=False)
     zero_grads(model)
     reused = fxmem.optimize(model, floor * 1.03 / 2**30, keep_outputs=False, plan=tmp_path)
-    loss_only(reused)
+    train_step(reused, kwargs)
     assert reused.plan.rewrites["fuse_projections"] == 0
     assert reused.plan.saved_nodes == m.plan.saved_nodes
     assert max_rel_err(grads_of(model), ref) < 1e-4
