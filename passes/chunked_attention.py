@@ -1,4 +1,4 @@
-"""chunked_attention: attention that SDPA computes in its math form runs in groups of heads.
+"""chunked_attention: attention that keeps its (T, S) weights runs in groups of heads.
 
 Where no fused SDPA kernel applies — on CPU with dropout, the usual case — SDPA makes the
 whole (B, heads, T, S) weights, their dropout mask and, in the backward, their gradient. A
@@ -19,6 +19,15 @@ groups; a group holds whole key/value heads under GQA). Fires only where SDPA wo
 math form (asked of torch for a small probe of the same dtype, heads, mask kind and dropout);
 the fused kernels keep no weights, and splitting their work would only slow them.
 
+Hand-written attention that caps its scores with tanh before the softmax (Gemma 2, Grok)::
+
+    att = torch.tanh(q @ k.transpose(-2, -1) * scale / cap) * cap + mask
+    y = F.dropout(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), p) @ v
+
+has no SDPA form (swap_sdpa leaves it), so on every device it makes, saves and differentiates
+the whole weights, and the scores before and after the cap besides. It runs in the same groups,
+each group the same hand-written computation.
+
 Exact: each head's scores, mask, softmax and weighted sum are the same computation; with
 dropout each group draws its own mask (the same distribution, not the unsplit draw).
 Runs after swap_sdpa, whose SDPA calls it splits.
@@ -29,6 +38,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem.ops import static_shape
@@ -48,12 +58,38 @@ def pattern(q, k, v, mask, p, causal, scale, gqa):
 
 
 def replacement(q, k, v, mask, p, causal, scale, gqa, groups, mask_split):
+    def sdpa(q, k, v, mask):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+
+    return _in_groups(sdpa, q, k, v, mask, groups, mask_split)
+
+
+# Scores capped by tanh before the softmax (Gemma 2, Grok): no SDPA kernel computes this.
+def pattern_softcap(q, k, v, scale, cap, mask, softmax_dtype, dtype, p, training):
+    att = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) * scale / cap) * cap + mask
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+
+def replacement_softcap(q, k, v, scale, cap, mask, softmax_dtype, dtype, p, training, groups, mask_split):
+    def softcapped(q, k, v, mask):
+        att = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) * scale / cap) * cap + mask
+        att = F.softmax(att, dim=-1, dtype=softmax_dtype)
+        if dtype is not None:
+            att = att.to(dtype)
+        return torch.matmul(F.dropout(att, p=p, training=training), v)
+
+    return _in_groups(softcapped, q, k, v, mask, groups, mask_split)
+
+
+def _in_groups(attention, q, k, v, mask, groups, mask_split):
+    """`attention(q, k, v, mask)` over `groups[dim]` chunks of each dimension in turn, joined."""
+
     def attend(q, k, v, mask, dim):
-        """SDPA over `groups[dim]` chunks of dimension `dim`, then the next dimension."""
         if dim == len(groups):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa
-            )
+            return attention(q, k, v, mask)
         n, axis = groups[dim], dim - 4
         if n == 1:
             return attend(q, k, v, mask, dim + 1)
@@ -83,22 +119,51 @@ def _runs_math(q, k, v, mask, p, causal, scale, gqa) -> bool:
 
 def guard(m: Match) -> Refusal | None:
     q, k, v = m.val("q"), m.val("k"), m.val("v")
-    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v)):
-        return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
-    if q.device.type != "cpu":
+    if isinstance(q, torch.Tensor) and q.device.type != "cpu":
         return Refusal(f"on {q.device.type} SDPA's fused kernels keep no (T, S) weights")
-    shapes = [static_shape(t) for t in (q, k, v)]
-    if None in shapes:
-        return Refusal("symbolic shapes: the groups need sizes")
-    (batch, heads, _, width), (k_batch, kv_heads, length, _), _ = shapes
-    mask = m.val("mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim > 4):
-        return Refusal("the mask is not a tensor of at most 4 dimensions")
+    shaped = _shapes(m)
+    if shaped:
+        return shaped
     scalars = {name: m.bindings[name] for name in ("p", "causal", "scale", "gqa")}
     if not all(isinstance(x, (int, float, bool, type(None))) for x in scalars.values()):
         return Refusal("dropout, causality, scale or GQA is not a constant")
-    if not _runs_math(q, k, v, mask, **scalars):
+    if not _runs_math(q, k, v, m.val("mask"), **scalars):
         return Refusal("SDPA runs a fused kernel here: it keeps no (T, S) weights")
+    return _groups(m)
+
+
+def guard_softcap(m: Match) -> Refusal | None:
+    shaped = _shapes(m)
+    if shaped:
+        return shaped
+    scalars = [m.bindings[name] for name in ("scale", "cap", "p", "training", "softmax_dtype", "dtype")]
+    if any(isinstance(x, fx.Node) for x in scalars):
+        return Refusal("the scale, cap, dropout or dtypes are not constants")
+    if not m.bindings["cap"]:
+        return Refusal("a cap of 0")
+    if m.val("k").shape[-3] not in (1, m.val("q").shape[-3]):
+        return Refusal("keys with other heads than the queries' (matmul broadcasts them)")
+    return _groups(m)
+
+
+def _shapes(m: Match) -> Refusal | None:
+    """Whether q, k, v and the mask have the static (B, heads, T, head_dim) shapes groups need."""
+    q, k, v = m.val("q"), m.val("k"), m.val("v")
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 for t in (q, k, v)):
+        return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
+    if None in [static_shape(t) for t in (q, k, v)]:
+        return Refusal("symbolic shapes: the groups need sizes")
+    mask = m.val("mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim > 4 or static_shape(mask) is None):
+        return Refusal("the mask is not a tensor of at most 4 static dimensions")
+    return None
+
+
+def _groups(m: Match) -> Refusal | None:
+    """Bind `groups` (sequences, heads) and `mask_split`: as few groups as keep one group's
+    (T, S) weights no larger than q, whole key/value heads in each."""
+    q, k, mask = m.val("q"), m.val("k"), m.val("mask")
+    (batch, heads, _, width), (k_batch, kv_heads, length, _) = q.shape, k.shape
     wanted = math.ceil(length / width)
     if wanted < 2:
         return Refusal(f"{length} keys of width {width}: the weights are no larger than q")
@@ -119,4 +184,18 @@ def _divisor_at_least(n: int, wanted: int) -> int:
     return next((d for d in range(1, n + 1) if n % d == 0 and d >= wanted), n)
 
 
-chunked_attention = RulePass("chunked_attention", [Rule("sdpa", pattern, replacement, guard=guard, scalars=_SCALARS)])
+chunked_attention = RulePass(
+    "chunked_attention",
+    [
+        Rule("sdpa", pattern, replacement, guard=guard, scalars=_SCALARS),
+        Rule(
+            "softcap",
+            pattern_softcap,
+            replacement_softcap,
+            guard=guard_softcap,
+            scalars=("scale", "cap", "softmax_dtype", "dtype", "p", "training"),
+            optional=("dropout", "to"),
+            absent={"p": 0.0, "training": False, "dtype": None},
+        ),
+    ],
+)

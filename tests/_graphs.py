@@ -75,11 +75,13 @@ def calls(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
 
 
 def assert_dropped_attention_weights(
-    y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: float, band: float, scale: float
+    y: torch.Tensor, q: torch.Tensor, k: torch.Tensor, p: float, band: float, scale: float, cap: float = 0.0
 ) -> None:
     """With v = I an attention output *is* its dropped-out weights: every entry is 0 or the
-    softmax weight / (1 - p), and the fraction of zeros is within `band` of p."""
-    weights = F.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)
+    softmax weight / (1 - p), and the fraction of zeros is within `band` of p. `cap`: scores
+    capped as tanh(s / cap) * cap."""
+    scores = q @ k.transpose(-2, -1) * scale
+    weights = F.softmax(torch.tanh(scores / cap) * cap if cap else scores, dim=-1)
     kept = y != 0
     assert torch.allclose(y[kept] * (1 - p), weights[kept], rtol=1e-5, atol=1e-7)
     dropped = (~kept).float().mean().item()

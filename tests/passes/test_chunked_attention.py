@@ -157,3 +157,52 @@ def test_gpt_with_dropout_reaches_a_lower_floor_and_keeps_its_gradients():
     assert tight_plan.recomputed, "the tight plan must recompute something"
     assert tight_peak <= tight_budget < floors["without"], (tight_peak, floors)
     assert max_rel_err(tight, free) < 1e-5
+
+
+CAP = 2.0  # scores of 32 keys of width 4 reach it: the cap bends them
+
+
+def softcapped(q, k, v, mask, p=0.0):  # Gemma 2's eager attention
+    att = torch.matmul(q, k.transpose(2, 3)) * D**-0.5
+    att = torch.tanh(att / CAP) * CAP + mask
+    att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(att, p=p, training=True), v)
+
+
+@pytest.mark.parametrize("shape", [(B, 1, T, T), (B, H, T, T), (T, T)])
+def test_softcapped_attention_splits_into_groups_and_is_exact(shape):
+    q, k, v, mask = _tensors((B, H, T, D), (B, H, T, D), (B, H, T, D), shape)
+    mask.requires_grad_(len(shape) == 4 and shape[1] == H)  # a gradient for the full mask only
+    gm, ex, fired = _split(softcapped, q, k, v, mask)
+    assert fired == 1, chunked_attention.refusals
+    caps = calls(gm, torch.tanh)
+    assert len(caps) == H * B  # 8 groups wanted: every head of every sequence
+    assert all(tuple(n.meta["example_value"].shape) == (1, 1, T, T) for n in caps)
+    _assert_exact(softcapped, [q, k, v, mask], gm, ex)
+
+
+def test_softcapped_attention_with_dropout_drops_weights_at_rate_p():
+    p, t = 0.5, 32
+    q, k = _tensors((8, H, t, D), (8, H, t, D))
+    v = torch.eye(t).expand(8, H, t, t).contiguous()
+    zeros = torch.zeros(t, t)
+
+    def fn(q, k, v):
+        return softcapped(q, k, v, zeros, p)
+
+    gm, ex, fired = _split(fn, q, k, v)
+    assert fired == 1, chunked_attention.refusals
+    assert len(calls(gm, torch.tanh)) == 8  # 8 groups: every head of two sequences at a time
+    torch.manual_seed(0)
+    assert_dropped_attention_weights(run_graph(gm, ex), q, k, p, band=0.03, scale=D**-0.5, cap=CAP)
+
+
+def test_softcapped_attention_with_a_cap_held_in_a_tensor_is_left_alone():
+    def fn(q, k, v, cap):
+        att = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * D**-0.5 / cap) * cap + torch.zeros(T, T)
+        return torch.matmul(F.softmax(att, dim=-1), v)
+
+    q, k, v = _tensors((B, H, T, D), (B, H, T, D), (B, H, T, D))
+    gm, _, fired = _split(fn, q, k, v, torch.tensor(CAP))
+    assert fired == 0 and len(calls(gm, torch.tanh)) == 1
+    assert any("not constants" in r for _, _, r in chunked_attention.refusals), chunked_attention.refusals
