@@ -74,6 +74,7 @@ _OP_ALIASES: dict[Any, str] = {
     F.linear: "linear",
     torch._C._nn.linear: "linear",
     F.cross_entropy: "cross_entropy",
+    torch.baddbmm: "baddbmm",
 }
 COMMUTATIVE = {"mul", "add"}
 _METHOD_SIGNATURES = {  # Tensor methods, by the parameter names of their functional forms
@@ -85,6 +86,8 @@ _METHOD_SIGNATURES = {  # Tensor methods, by the parameter names of their functi
     "add": ("other",),
     "masked_fill": ("mask", "value"),
     "split": ("split_size", "dim"),
+    "baddbmm": ("batch1", "batch2"),
+    "bmm": ("mat2",),
 }
 _FUNCTION_SIGNATURES = {  # for builtins without a Python signature
     "matmul": ("input", "other"),
@@ -95,6 +98,8 @@ _FUNCTION_SIGNATURES = {  # for builtins without a Python signature
     "transpose": ("input", "dim0", "dim1"),
     "masked_fill": ("input", "mask", "value"),
     "linear": ("input", "weight", "bias"),
+    "baddbmm": ("input", "batch1", "batch2"),
+    "bmm": ("input", "mat2"),
     "scaled_dot_product_attention": (
         "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
     ),
@@ -102,6 +107,7 @@ _FUNCTION_SIGNATURES = {  # for builtins without a Python signature
 _DEFAULTS = {
     "linear": {"bias": None},
     "softmax": {"dtype": None},
+    "baddbmm": {"beta": 1, "alpha": 1},
     "scaled_dot_product_attention": {
         "attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False
     },

@@ -25,8 +25,14 @@ Hand-written attention that caps its scores with tanh before the softmax (Gemma 
     y = F.dropout(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), p) @ v
 
 has no SDPA form (swap_sdpa leaves it), so on every device it makes, saves and differentiates
-the whole weights, and the scores before and after the cap besides. It runs in the same groups,
-each group the same hand-written computation.
+the whole weights, and the scores before and after the cap besides. Nor has ALiBi as BLOOM
+writes it, a bias per head added by `baddbmm` with the heads flattened into the batch::
+
+    att = alibi.baddbmm(q, k, beta=1.0, alpha=scale).view(B, heads, T, S) + mask   # q: (B * heads, T, D)
+    y = torch.bmm(F.softmax(att, dim=-1).view(B * heads, T, S), v)
+
+Both run in the same groups, each group the same hand-written computation (ALiBi's on the
+group's (sequences, heads) unflattened and flattened again).
 
 Exact: each head's scores, mask, softmax and weighted sum are the same computation; with
 dropout each group draws its own mask (the same distribution, not the unsplit draw).
@@ -63,7 +69,7 @@ def replacement(q, k, v, mask, p, causal, scale, gqa, groups, mask_split):
             q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa
         )
 
-    return _in_groups(sdpa, q, k, v, mask, groups, mask_split)
+    return _in_groups(sdpa, (q, k, v), mask, groups, mask_split)
 
 
 # Scores capped by tanh before the softmax (Gemma 2, Grok): no SDPA kernel computes this.
@@ -81,23 +87,49 @@ def replacement_softcap(q, k, v, scale, cap, mask, softmax_dtype, dtype, p, trai
             att = att.to(dtype)
         return torch.matmul(F.dropout(att, p=p, training=training), v)
 
-    return _in_groups(softcapped, q, k, v, mask, groups, mask_split)
+    return _in_groups(softcapped, (q, k, v), mask, groups, mask_split)
 
 
-def _in_groups(attention, q, k, v, mask, groups, mask_split):
-    """`attention(q, k, v, mask)` over `groups[dim]` chunks of each dimension in turn, joined."""
+# ALiBi (BLOOM): a per-head bias on the scores added by baddbmm, heads flattened into the batch.
+def pattern_alibi(q, k, v, bias, beta, alpha, b, h, t, s, n, rows, cols, mask, softmax_dtype, dtype, p, training):
+    att = bias.baddbmm(q, k, beta=beta, alpha=alpha).view(b, h, t, s) + mask
+    att = F.softmax(att, dim=-1, dtype=softmax_dtype).to(dtype)
+    return torch.bmm(F.dropout(att, p=p, training=training).view(n, rows, cols), v)
 
-    def attend(q, k, v, mask, dim):
+
+def replacement_alibi(
+    q, k, v, bias, beta, alpha, b, h, t, s, mask, softmax_dtype, dtype, p, training, groups, mask_split
+):
+    rows, heads = b // groups[0], h // groups[1]  # one group's
+
+    def alibi(q, k, v, bias, mask):  # (B, heads, ...) groups of the flat (B * heads, ...) tensors
+        q, k, v, bias = (x.flatten(0, 1) for x in (q, k, v, bias))
+        att = bias.baddbmm(q, k, beta=beta, alpha=alpha).view(rows, heads, t, s) + mask
+        att = F.softmax(att, dim=-1, dtype=softmax_dtype)
+        if dtype is not None:
+            att = att.to(dtype)
+        out = torch.bmm(F.dropout(att, p=p, training=training).flatten(0, 1), v)
+        return out.view(rows, heads, t, -1)
+
+    q, k, v, bias = (x.unflatten(0, (b, h)) for x in (q, k, v, bias))
+    return _in_groups(alibi, (q, k, v, bias), mask, groups, mask_split).flatten(0, 1)
+
+
+def _in_groups(attention, tensors, mask, groups, mask_split):
+    """`attention(*tensors, mask)` over `groups[dim]` chunks of each (B, heads) dimension in
+    turn, joined: each tensor is chunked along both, the mask where `mask_split` says."""
+
+    def attend(tensors, mask, dim):
         if dim == len(groups):
-            return attention(q, k, v, mask)
+            return attention(*tensors, mask)
         n, axis = groups[dim], dim - 4
         if n == 1:
-            return attend(q, k, v, mask, dim + 1)
-        qs, ks, vs = (torch.chunk(t, n, dim=axis) for t in (q, k, v))
-        ms = torch.chunk(mask, n, dim=axis) if mask_split[dim] else [mask] * n
-        return torch.cat([attend(qs[g], ks[g], vs[g], ms[g], dim + 1) for g in range(n)], dim=axis)
+            return attend(tensors, mask, dim + 1)
+        parts = [torch.chunk(x, n, dim=dim) for x in tensors]
+        masks = torch.chunk(mask, n, dim=axis) if mask_split[dim] else [mask] * n
+        return torch.cat([attend([x[g] for x in parts], masks[g], dim + 1) for g in range(n)], dim=dim)
 
-    return attend(q, k, v, mask, 0)
+    return attend(tensors, mask, 0)
 
 
 def _runs_math(q, k, v, mask, p, causal, scale, gqa) -> bool:
@@ -129,7 +161,7 @@ def guard(m: Match) -> Refusal | None:
         return Refusal("dropout, causality, scale or GQA is not a constant")
     if not _runs_math(q, k, v, m.val("mask"), **scalars):
         return Refusal("SDPA runs a fused kernel here: it keeps no (T, S) weights")
-    return _groups(m)
+    return _groups(m, q.shape, k.shape[:2], k.shape[-2])
 
 
 def guard_softcap(m: Match) -> Refusal | None:
@@ -141,9 +173,27 @@ def guard_softcap(m: Match) -> Refusal | None:
         return Refusal("the scale, cap, dropout or dtypes are not constants")
     if not m.bindings["cap"]:
         return Refusal("a cap of 0")
-    if m.val("k").shape[-3] not in (1, m.val("q").shape[-3]):
+    q, k = m.val("q"), m.val("k")
+    if k.shape[-3] not in (1, q.shape[-3]):
         return Refusal("keys with other heads than the queries' (matmul broadcasts them)")
-    return _groups(m)
+    return _groups(m, q.shape, k.shape[:2], k.shape[-2])
+
+
+def guard_alibi(m: Match) -> Refusal | None:
+    q, k, v, bias, mask = (m.val(name) for name in ("q", "k", "v", "bias", "mask"))
+    if not all(isinstance(x, torch.Tensor) and x.ndim == 3 for x in (q, k, v, bias)):
+        return Refusal("q, k, v and the bias are not 3-D (B * heads, ...)")
+    if None in [static_shape(x) for x in (q, k, v, bias)]:
+        return Refusal("symbolic shapes: the groups need sizes")
+    if not isinstance(mask, torch.Tensor) or mask.ndim > 4 or static_shape(mask) is None:
+        return Refusal("the mask is not a tensor of at most 4 static dimensions")
+    names = ("beta", "alpha", "b", "h", "t", "s", "n", "rows", "cols", "p", "training", "softmax_dtype", "dtype")
+    if any(isinstance(m.bindings[name], fx.Node) for name in names):
+        return Refusal("the scale, shapes, dropout or dtypes are not constants")
+    b, h = m.bindings["b"], m.bindings["h"]
+    if not all(x.shape[0] == b * h for x in (q, k, v, bias)):
+        return Refusal(f"the flat batch is not {b} sequences of {h} heads")
+    return _groups(m, (b, h, *q.shape[1:]), (b, h), k.shape[-1])
 
 
 def _shapes(m: Match) -> Refusal | None:
@@ -159,11 +209,12 @@ def _shapes(m: Match) -> Refusal | None:
     return None
 
 
-def _groups(m: Match) -> Refusal | None:
+def _groups(m: Match, q_shape, k_heads, length: int) -> Refusal | None:
     """Bind `groups` (sequences, heads) and `mask_split`: as few groups as keep one group's
-    (T, S) weights no larger than q, whole key/value heads in each."""
-    q, k, mask = m.val("q"), m.val("k"), m.val("mask")
-    (batch, heads, _, width), (k_batch, kv_heads, length, _) = q.shape, k.shape
+    (T, S) weights no larger than q, whole key/value heads in each. `q_shape`: (B, heads, T,
+    head_dim); `k_heads`: the keys' (B, heads); `length`: S."""
+    mask = m.val("mask")
+    (batch, heads, _, width), (k_batch, kv_heads) = q_shape, k_heads
     wanted = math.ceil(length / width)
     if wanted < 2:
         return Refusal(f"{length} keys of width {width}: the weights are no larger than q")
@@ -194,6 +245,29 @@ chunked_attention = RulePass(
             replacement_softcap,
             guard=guard_softcap,
             scalars=("scale", "cap", "softmax_dtype", "dtype", "p", "training"),
+            optional=("dropout", "to"),
+            absent={"p": 0.0, "training": False, "dtype": None},
+        ),
+        Rule(
+            "alibi",
+            pattern_alibi,
+            replacement_alibi,
+            guard=guard_alibi,
+            scalars=(
+                "beta",
+                "alpha",
+                "b",
+                "h",
+                "t",
+                "s",
+                "n",
+                "rows",
+                "cols",
+                "softmax_dtype",
+                "dtype",
+                "p",
+                "training",
+            ),
             optional=("dropout", "to"),
             absent={"p": 0.0, "training": False, "dtype": None},
         ),

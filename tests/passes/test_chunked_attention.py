@@ -206,3 +206,24 @@ def test_softcapped_attention_with_a_cap_held_in_a_tensor_is_left_alone():
     gm, _, fired = _split(fn, q, k, v, torch.tensor(CAP))
     assert fired == 0 and len(calls(gm, torch.tanh)) == 1
     assert any("not constants" in r for _, _, r in chunked_attention.refusals), chunked_attention.refusals
+
+
+def alibi_attention(q, k, v, bias, mask):  # BLOOM's: heads flattened into the batch, a bias per head
+    b, h, t, d = q.shape
+    q, k, v = (x.reshape(b * h, t, d) for x in (q, k, v))
+    scores = bias.baddbmm(q, k.transpose(-1, -2), beta=1.0, alpha=d**-0.5)
+    att = F.softmax(scores.view(b, h, t, -1) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(att.view(b * h, t, -1), v)
+
+
+@pytest.mark.parametrize("shape", [(B, 1, T, T), (T, T)])
+def test_alibi_attention_splits_into_groups_and_is_exact(shape):
+    q, k, v, mask = _tensors((B, H, T, D), (B, H, T, D), (B, H, T, D), shape)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(H)])
+    bias = (slopes[:, None, None] * torch.arange(T)).repeat(B, 1, 1).requires_grad_()  # (B * H, 1, T)
+    gm, ex, fired = _split(alibi_attention, q, k, v, bias, mask)
+    assert fired == 1, chunked_attention.refusals
+    groups = calls(gm, "baddbmm")
+    assert len(groups) == H * B
+    assert all(tuple(n.meta["example_value"].shape) == (1, T, T) for n in groups)
+    _assert_exact(alibi_attention, [q, k, v, bias, mask], gm, ex)  # the bias's gradient too
