@@ -9,8 +9,12 @@ passes compare nodes through these.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import operator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,11 +27,14 @@ __all__ = [
     "canonical_args",
     "example_value",
     "is_identity",
+    "modes_at",
     "op_key",
     "static_int",
     "static_shape",
     "storage_of",
     "storages_written",
+    "switches_mode",
+    "undoes",
     "written_in_place",
     "writes_in_place",
 ]
@@ -207,20 +214,142 @@ _IN_PLACE_FUNCTIONS = {
 }  # fmt: skip
 
 
-def written_in_place(node: fx.Node) -> fx.Node | None:
-    """The tensor `node` (of a Dynamo graph) writes in place, if it does."""
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    first = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-    if node.op == "call_method" and name.endswith("_"):
-        return first
-    if node.op != "call_function":
-        return None
-    if node.target in _IN_PLACE_FUNCTIONS or (name.endswith("_") and not name.startswith("_")):
-        return first
+def written_in_place(node: fx.Node) -> list[fx.Node]:
+    """The tensors `node` (of a Dynamo graph) writes in place: its first argument for an
+    in-place op (`x.add_(y)`, `x += y`, `x[i] = y`, `F.relu(x, True)`, each of the lists of
+    `torch._foreach_mul_`), the arguments an aten overload's schema marks written, and `out=`."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return _nodes(_schema_written(node, target))
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name in _NOT_WRITES:
+        return []
+    if node.op == "call_method":
+        writes = writes_in_place(name)
+    else:
+        writes = (
+            target in _IN_PLACE_FUNCTIONS
+            or (writes_in_place(name) and (not name.startswith("_") or name.startswith("_foreach_")))
+            or _inplace_flag(node)
+        )
+    return _nodes([node.args[0] if writes and node.args else None, node.kwargs.get("out")])
+
+
+# Methods whose names end in '_' that change no tensor's values.
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
+
+
+def _schema_written(node: fx.Node, op: torch._ops.OpOverload) -> list[Any]:
+    written = []
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return written
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether a call passes `inplace=True` (`F.dropout(x, 0.1, True, True)` included)."""
     if node.kwargs.get("inplace") is True:
-        return first
-    out = node.kwargs.get("out")
-    return out if isinstance(out, fx.Node) else None
+        return True
+    signature = _signature(node.target)
+    if signature is None or "inplace" not in signature.parameters:
+        return False
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+@functools.cache
+def _signature(target: Callable[..., Any]) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _nodes(values: Any) -> list[fx.Node]:
+    """The graph nodes among `values`, lists and tuples opened."""
+    if isinstance(values, fx.Node):
+        return [values]
+    if isinstance(values, (tuple, list)):
+        return [n for v in values for n in _nodes(v)]
+    return []
+
+
+# Dynamo's records of `with torch.autocast(...)`, `torch.no_grad()`, `torch.inference_mode()`
+# and `torch.set_autocast_enabled`: the ops between two of them run in one precision and mode.
+_MODE_SWITCHES = frozenset(
+    {
+        "_enter_autocast",
+        "_exit_autocast",
+        "_set_grad_enabled",
+        "_enter_inference_mode",
+        "_exit_inference_mode",
+        "set_autocast_enabled",
+        "set_autocast_dtype",
+    }
+)
+
+
+def switches_mode(node: fx.Node) -> bool:
+    """Whether `node` enters or leaves an autocast region or switches grad or inference mode."""
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _MODE_SWITCHES
+
+
+def undoes(switch: fx.Node, entered: fx.Node) -> bool:
+    """Whether mode switch `switch` ends the region `entered` began: the exit of that enter, or
+    the same setter putting back the other value (`_set_grad_enabled(False)` ... `(True)`)."""
+    if switch.target.__name__.startswith("_exit_"):
+        return switch.args[:1] == (entered,)
+    return switch.target is entered.target and switch.args[:-1] == entered.args[:-1] and switch.args != entered.args
+
+
+_GETTERS: dict[str, Callable[..., Any]] = {
+    "_set_grad_enabled": torch.is_grad_enabled,
+    "set_autocast_enabled": torch.is_autocast_enabled,
+    "set_autocast_dtype": torch.get_autocast_dtype,
+}
+
+
+@contextlib.contextmanager
+def modes_at(node: fx.Node) -> Iterator[None]:
+    """The autocast, grad and inference modes the graph's switches put in force at `node`, over
+    the caller's."""
+    regions: list[fx.Node] = []
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if not switches_mode(n):
+            continue
+        if n.target.__name__.startswith("_exit_"):
+            if n.args and n.args[0] in regions:
+                del regions[regions.index(n.args[0]) :]
+        elif regions and undoes(n, regions[-1]):
+            regions.pop()
+        else:
+            regions.append(n)
+    with contextlib.ExitStack() as stack:
+        for switch in regions:
+            stack.callback(_enter(switch))
+        yield
+
+
+def _enter(switch: fx.Node) -> Callable[[], Any]:
+    """Do what `switch` does; returns what undoes it."""
+    name = switch.target.__name__
+    if any(isinstance(a, fx.Node) for a in switch.args):
+        return lambda: None  # a mode read from the graph's values: not known here
+    if name.startswith("_enter_"):
+        context = switch.target(*switch.args)
+        leave = getattr(sys.modules[switch.target.__module__], "_exit_" + name.removeprefix("_enter_"))
+        return lambda: leave(context)
+    before = _GETTERS[name](*switch.args[:-1])
+    switch.target(*switch.args)
+    return lambda: switch.target(*switch.args[:-1], before)
 
 
 def storage_of(node: Any) -> int | None:
@@ -231,4 +360,4 @@ def storage_of(node: Any) -> int | None:
 
 def storages_written(graph: fx.Graph) -> set[int | None]:
     """The storages `graph` writes in place."""
-    return {storage_of(t) for n in graph.nodes if (t := written_in_place(n)) is not None}
+    return {storage_of(t) for n in graph.nodes for t in written_in_place(n)}

@@ -19,7 +19,10 @@ and the spellings a model author writes meet in the middle:
 
 A pattern argument named in `scalars` binds a Python number or a node; every other argument
 binds a node. A match whose inner values are also used outside it (attention weights returned
-to the caller, say) is refused: the rewrite would have to keep them anyway. A guard next to a
+to the caller, say) is refused: the rewrite would have to keep them anyway. So is a match
+that other ops interleave with where moving it to its output would change what it computes:
+an autocast region or grad mode entered or left inside it, or an input written in place
+between its first op and its output (the replacement runs at the output). A guard next to a
 rule may refuse a match with a reason (`Refusal` is falsy and says why when printed).
 """
 
@@ -36,7 +39,19 @@ import torch
 import torch.fx as fx
 
 from fxmem.constants import capture_inputs
-from fxmem.ops import COMMUTATIVE, canonical_args, example_value, is_identity, op_key, writes_in_place
+from fxmem.ops import (
+    COMMUTATIVE,
+    canonical_args,
+    example_value,
+    is_identity,
+    modes_at,
+    op_key,
+    storage_of,
+    switches_mode,
+    undoes,
+    writes_in_place,
+    written_in_place,
+)
 
 __all__ = [
     "Match",
@@ -153,10 +168,9 @@ class _Matcher:
         if p.op == "placeholder":
             if not isinstance(t, fx.Node) and p.target not in self.rule.scalars:
                 return False
-            if p.target in self.bindings:
-                return self.bindings[p.target] is t or (
-                    not isinstance(t, fx.Node) and _same_literal(self.bindings[p.target], t)
-                )
+            if p.target in self.bindings:  # one value twice: the replacement uses it for both
+                bound = self.bindings[p.target]
+                return bound is t or (not isinstance(t, fx.Node) and type(bound) is type(t) and bound == t)
             self.bindings[p.target] = t
             return True
         if p.op == "get_attr" or not isinstance(t, fx.Node):
@@ -198,6 +212,40 @@ def _escapes(covered: list[fx.Node], output: fx.Node) -> list[fx.Node]:
     return [n for n in covered if n is not output and any(u not in inside for u in n.users)]
 
 
+def _interleaved(covered: list[fx.Node], rule: Rule) -> Refusal | None:
+    """Refuse a match that other ops interleave with so that moving it to its output changes
+    what it computes: the replacement runs there, under the output's autocast and grad mode,
+    reading its inputs as they are there. So no covered node may run in another mode than
+    the first (a region entered and left between two of them is no matter), and nothing may
+    write in place what a covered node has read before the output."""
+    inside = set(covered)
+    read_nodes: set[fx.Node] = set()
+    read: set[int] = set()  # storages
+    entered: list[fx.Node] = []  # mode switches since the first covered node, not undone
+    n = covered[0]
+    while True:
+        if n in inside:
+            if entered:
+                return Refusal(f"the matched {rule.name} spans {entered[-1].name} (autocast or grad mode changes)")
+            for x in (n, *n.all_input_nodes):
+                read_nodes.add(x)
+                read.add(storage_of(x))
+        elif switches_mode(n):
+            if entered and undoes(n, entered[-1]):
+                entered.pop()
+            elif not n.target.__name__.startswith("_exit_"):
+                entered.append(n)
+            else:
+                return Refusal(f"the matched {rule.name} spans {n.name} (autocast or grad mode changes)")
+        else:
+            for written in written_in_place(n):
+                if written in read_nodes or storage_of(written) in read - {None}:
+                    return Refusal(f"{n.name} writes {written.name} in place inside the matched {rule.name}")
+        if n is covered[-1]:
+            return None
+        n = n.next
+
+
 def match(rule: Rule, node: fx.Node) -> Match | Refusal | None:
     """Match `rule` with its output at `node`: a Match, a Refusal saying why not, or None."""
     pattern_out = next(n for n in rule.graph.nodes if n.op == "output").args[0]
@@ -206,6 +254,9 @@ def match(rule: Rule, node: fx.Node) -> Match | Refusal | None:
         return None
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     covered = sorted(m.covered, key=order.__getitem__)
+    interleaved = _interleaved(covered, rule)
+    if interleaved is not None:
+        return interleaved
     allowed = {m.matched[name]: name for name in rule.may_escape if name in m.matched}
     matched = set(m.matched.values())
     escaped: dict[str, list[fx.Node]] = {}
@@ -249,7 +300,7 @@ def propagate_meta(node: fx.Node, like: fx.Node | None = None) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
     if fake_mode is None:
         return
-    with fake_mode:
+    with fake_mode, modes_at(node):  # autocast picks dtypes, grad mode sets requires_grad
         if node.op == "call_method":
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:

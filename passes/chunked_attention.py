@@ -35,7 +35,9 @@ Both run in the same groups, each group the same hand-written computation (ALiBi
 group's (sequences, heads) unflattened and flattened again).
 
 Exact: each head's scores, mask, softmax and weighted sum are the same computation; with
-dropout each group draws its own mask (the same distribution, not the unsplit draw).
+dropout each group draws its own mask (the same distribution, not the unsplit draw). A mask
+shared by several groups gets its gradient as the sum of theirs: the same sum in another
+order, equal to rounding.
 Runs after swap_sdpa, whose SDPA calls it splits.
 """
 
@@ -154,7 +156,7 @@ def guard(m: Match) -> Refusal | None:
     if isinstance(q, torch.Tensor) and q.device.type != "cpu":
         return Refusal(f"on {q.device.type} SDPA's fused kernels keep no (T, S) weights")
     shaped = _shapes(m)
-    if shaped:
+    if shaped is not None:
         return shaped
     scalars = {name: m.bindings[name] for name in ("p", "causal", "scale", "gqa")}
     if not all(isinstance(x, (int, float, bool, type(None))) for x in scalars.values()):
@@ -166,7 +168,7 @@ def guard(m: Match) -> Refusal | None:
 
 def guard_softcap(m: Match) -> Refusal | None:
     shaped = _shapes(m)
-    if shaped:
+    if shaped is not None:
         return shaped
     scalars = [m.bindings[name] for name in ("scale", "cap", "p", "training", "softmax_dtype", "dtype")]
     if any(isinstance(x, fx.Node) for x in scalars):
@@ -190,10 +192,30 @@ def guard_alibi(m: Match) -> Refusal | None:
     names = ("beta", "alpha", "b", "h", "t", "s", "n", "rows", "cols", "p", "training", "softmax_dtype", "dtype")
     if any(isinstance(m.bindings[name], fx.Node) for name in names):
         return Refusal("the scale, shapes, dropout or dtypes are not constants")
-    b, h = m.bindings["b"], m.bindings["h"]
-    if not all(x.shape[0] == b * h for x in (q, k, v, bias)):
-        return Refusal(f"the flat batch is not {b} sequences of {h} heads")
-    return _groups(m, (b, h, *q.shape[1:]), (b, h), k.shape[-1])
+    flat, length, keys = q.shape[0], q.shape[1], k.shape[-1]
+    heads = _sizes([m.bindings[name] for name in ("b", "h", "t", "s")], flat * length * keys)
+    weights = _sizes([m.bindings[name] for name in ("n", "rows", "cols")], flat * length * keys)
+    if heads is None or heads[0] * heads[1] != flat or heads[2:] != [length, keys]:
+        return Refusal(f"the scores are not viewed as (sequences, heads, {length}, {keys})")
+    if weights != [flat, length, keys]:
+        return Refusal(f"the weights are not viewed back as ({flat}, {length}, {keys})")
+    if not all(x.shape[0] == flat for x in (k, v, bias)):
+        return Refusal(f"q, k, v and the bias do not all hold {flat} heads")
+    m.bindings.update(zip(("b", "h", "t", "s"), heads, strict=True))  # -1 resolved
+    return _groups(m, (heads[0], heads[1], *q.shape[1:]), heads[:2], keys)
+
+
+def _sizes(view: list, numel: int) -> list[int] | None:
+    """The sizes `x.view(*view)` gives a tensor of `numel` elements (one -1 resolved), or None
+    where they are not integers or do not fit."""
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= -1 for x in view) or view.count(-1) > 1:
+        return None
+    known = math.prod(x for x in view if x != -1)
+    if -1 in view:
+        if known == 0 or numel % known:
+            return None
+        view = [numel // known if x == -1 else x for x in view]
+    return view if math.prod(view) == numel else None
 
 
 def _shapes(m: Match) -> Refusal | None:
@@ -203,6 +225,8 @@ def _shapes(m: Match) -> Refusal | None:
         return Refusal("q, k, v are not 4-D (B, heads, T, head_dim)")
     if None in [static_shape(t) for t in (q, k, v)]:
         return Refusal("symbolic shapes: the groups need sizes")
+    if v.shape[:2] != k.shape[:2]:
+        return Refusal("values with other sequences or heads than the keys' (broadcast)")
     mask = m.val("mask")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim > 4 or static_shape(mask) is None):
         return Refusal("the mask is not a tensor of at most 4 static dimensions")

@@ -121,6 +121,15 @@ def test_one_placeholder_binds_one_value():
     assert _matches(rule, lambda x, y: x * y, torch.randn(3), torch.randn(3)) == []
 
 
+def test_one_scalar_placeholder_binds_one_number_exactly():
+    rule = Rule("cap", lambda x, c: torch.tanh(x / c) * c, lambda x, c: c * torch.tanh(x / c), scalars=("c",))
+    (m,) = _matches(rule, lambda x: torch.tanh(x / 30.0) * 30.0, torch.randn(3))
+    assert m["c"] == 30.0
+    # two numbers the replacement would fold into one: not a match however close they are
+    assert _matches(rule, lambda x: torch.tanh(x / 30.0) * 30.00001, torch.randn(3)) == []
+    assert _matches(rule, lambda x: torch.tanh(x / 30.0) * 30, torch.randn(3)) == []
+
+
 def drop_pattern(x, p, training):
     return F.dropout(F.softmax(x, dim=-1), p=p, training=training)
 
@@ -167,6 +176,135 @@ def test_intermediate_used_outside_refuses():
     p = RulePass("scores", [SCORES])
     gm, fired = p(gm, ex)
     assert fired == 0 and len(p.refusals) == 1 and p.refusals[0][0] == "scores"
+
+
+def softmax_of_product_pattern(a, b):
+    return torch.softmax(a @ b, -1)
+
+
+def softmax_of_product_replacement(a, b):
+    return F.softmax(torch.matmul(a, b), dim=-1)
+
+
+SOFTMAX_OF_PRODUCT = Rule("softmax_of_product", softmax_of_product_pattern, softmax_of_product_replacement)
+
+
+def _product_then(between):
+    """softmax(a @ b) with `between(a, b)` run after the product, before the softmax."""
+
+    def fn(a, b):
+        t = a @ b
+        between(a, b)
+        return torch.softmax(t, -1)
+
+    return fn
+
+
+def _product_then_autocast(a, b):
+    t = a @ b  # in fp32: moved under the autocast below, it would run in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return torch.softmax(t, -1)
+
+
+def _product_then_no_grad(a, b):
+    t = a @ b
+    with torch.no_grad():
+        return torch.softmax(t, -1)
+
+
+def _product_then_inference_mode(a, b):
+    t = a @ b
+    with torch.inference_mode():
+        return torch.softmax(t, -1)
+
+
+@pytest.mark.parametrize(
+    ("fn", "reason"),
+    [
+        (_product_then_autocast, "autocast or grad mode"),
+        (_product_then_no_grad, "autocast or grad mode"),
+        (_product_then_inference_mode, "autocast or grad mode"),
+        # moved past any of these, the product would read what they wrote
+        (_product_then(lambda a, b: b.fill_(0)), "in place"),
+        (_product_then(lambda a, b: b.__setitem__(0, 0.0)), "in place"),
+        (_product_then(lambda a, b: F.relu(b, True)), "in place"),  # inplace passed by position
+        (_product_then(lambda a, b: torch.ops.aten.relu_.default(b)), "in place"),
+        (_product_then(lambda a, b: torch._foreach_zero_([b])), "in place"),
+        (_product_then(lambda a, b: torch.mul(a, 2, out=b)), "in place"),
+    ],
+    ids=[
+        "autocast",
+        "no_grad",
+        "inference_mode",
+        "fill_",
+        "setitem",
+        "relu-inplace",
+        "aten-overload",
+        "foreach",
+        "out",
+    ],
+)
+def test_a_match_interleaved_with_what_changes_its_meaning_refuses(fn, reason):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 32, generator=g), torch.randn(32, 32, generator=g)
+    refusals = [r for r in _matches(SOFTMAX_OF_PRODUCT, fn, a, b.clone()) if not r]
+    assert len(refusals) == 1 and reason in str(refusals[0])
+    gm, ex = capture(fn, a, b.clone())
+    gm, fired = RulePass("softmax_of_product", [SOFTMAX_OF_PRODUCT])(gm, ex)
+    assert fired == 0
+    got = run_graph(gm, [a, b.clone()])
+    want = fn(a, b.clone())
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _sum_in_no_grad(a, b):
+    with torch.no_grad():
+        return a.sum()
+
+
+def _product_masked_after_a_write(a, b, c):
+    t = a @ b
+    c.zero_()  # c is first read after this, by the match and by its replacement alike
+    return torch.softmax(t + c, -1)
+
+
+@pytest.mark.parametrize(
+    ("fn", "rule", "args"),
+    [
+        # a region entered and left between two matched ops, with none of them in it
+        (_product_then(_sum_in_no_grad), SOFTMAX_OF_PRODUCT, 2),
+        (_product_then(lambda a, b: (a > 0) & (b > 0)), SOFTMAX_OF_PRODUCT, 2),  # `&` writes nothing
+        (_product_then(lambda a, b: a.clone().add_(1)), SOFTMAX_OF_PRODUCT, 2),  # a write to another tensor
+        (
+            _product_masked_after_a_write,
+            Rule("masked", lambda a, b, c: torch.softmax(a @ b + c, -1), lambda a, b, c: F.softmax(c + a @ b, dim=-1)),
+            3,
+        ),
+        # a one-op match with modes switched and inputs written around it
+        (
+            lambda a, b: (
+                _sum_in_no_grad(a, b),
+                b.add_(1),
+                torch.softmax(a, -1),
+                b.mul_(2),
+                _product_then_autocast(a, b),
+            ),
+            Rule("softmax", lambda x: torch.softmax(x, -1), lambda x: F.softmax(x, dim=-1)),
+            2,
+        ),
+    ],
+    ids=["balanced-no_grad", "and", "other-tensor", "input-written-before-read", "one-op"],
+)
+def test_a_match_interleaved_with_what_leaves_its_meaning_is_rewritten(fn, rule, args):
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(32, 32, generator=g) for _ in range(args)]
+    gm, ex = capture(fn, *[x.clone() for x in inputs])
+    p = RulePass(rule.name, [rule])
+    gm, fired = p(gm, ex)
+    assert fired >= 1, p.refusals
+    got, want = run_graph(gm, [x.clone() for x in inputs]), fn(*[x.clone() for x in inputs])
+    for x, y in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True):
+        assert x.dtype == y.dtype and torch.allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
 def test_guard_refuses_with_a_reason():

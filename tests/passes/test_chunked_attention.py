@@ -123,6 +123,25 @@ def test_fused_kernel_and_short_sequences_are_left_alone():
     _, _, fired = _split(wide_values, *short)
     assert fired == 0
     assert any("no larger than q" in r for _, _, r in chunked_attention.refusals)
+    flat = _tensors((B * H, T, D), (B * H, T, D), (B * H, T, 2 * D))  # 3-D: no heads to group
+    gm, ex, fired = _split(wide_values, *flat)
+    assert fired == 0 and any("not 4-D" in r for _, _, r in chunked_attention.refusals)
+    _assert_exact(wide_values, flat, gm, ex)
+
+
+def test_attention_under_autocast_splits_and_is_exact():
+    # Under autocast SDPA casts q, k and v to bf16 itself: the groups' values are made under
+    # the same autocast, or the fp32 keys and bf16 queries would not meet.
+    def fn(q, k, v, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return wide_values(q @ w, k, v)  # bf16 queries, fp32 keys and values
+
+    q, k, v, w = _tensors((B, H, T, D), (B, H, T, D), (B, H, T, 2 * D), (D, D))
+    gm, ex, fired = _split(fn, q, k, v, w)
+    assert fired == 1, chunked_attention.refusals
+    assert all(n.meta["example_value"].dtype == torch.bfloat16 for n in calls(gm, F.scaled_dot_product_attention))
+    assert run_graph(gm, ex).dtype == torch.bfloat16
+    _assert_exact(fn, [q, k, v, w], gm, ex)
 
 
 @pytest.mark.slow
@@ -197,6 +216,15 @@ def test_softcapped_attention_with_dropout_drops_weights_at_rate_p():
     assert_dropped_attention_weights(run_graph(gm, ex), q, k, p, band=0.03, scale=D**-0.5, cap=CAP)
 
 
+@pytest.mark.parametrize("shape", [(1, H, T, D), (B, 1, T, D)], ids=["one-sequence", "one-head"])
+def test_softcapped_attention_with_values_broadcast_over_the_keys_is_left_alone(shape):
+    q, k, v, mask = _tensors((B, H, T, D), (B, H, T, D), shape, (T, T))
+    gm, ex, fired = _split(softcapped, q, k, v, mask)
+    assert fired == 0 and len(calls(gm, torch.tanh)) == 1
+    assert any("values with other" in r for _, _, r in chunked_attention.refusals), chunked_attention.refusals
+    _assert_exact(softcapped, [q, k, v, mask], gm, ex)
+
+
 def test_softcapped_attention_with_a_cap_held_in_a_tensor_is_left_alone():
     def fn(q, k, v, cap):
         att = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * D**-0.5 / cap) * cap + torch.zeros(T, T)
@@ -227,3 +255,20 @@ def test_alibi_attention_splits_into_groups_and_is_exact(shape):
     assert len(groups) == H * B
     assert all(tuple(n.meta["example_value"].shape) == (1, T, T) for n in groups)
     _assert_exact(alibi_attention, [q, k, v, bias, mask], gm, ex)  # the bias's gradient too
+
+
+def alibi_attention_sized_by_minus_one(q, k, v, bias, mask):  # the query length left to view
+    b, h, t, d = q.shape
+    q, k, v = (x.reshape(b * h, t, d) for x in (q, k, v))
+    scores = bias.baddbmm(q, k.transpose(-1, -2), beta=1.0, alpha=d**-0.5)
+    att = F.softmax(scores.view(b, h, -1, t) + mask, dim=-1)
+    return torch.bmm(att.view(-1, t, t), v)
+
+
+def test_alibi_attention_with_sizes_left_to_view_splits_and_is_exact():
+    q, k, v, mask = _tensors((B, H, T, D), (B, H, T, D), (B, H, T, D), (T, T))
+    bias = _tensors((B * H, 1, T))[0]
+    gm, ex, fired = _split(alibi_attention_sized_by_minus_one, q, k, v, bias, mask)
+    assert fired == 1, chunked_attention.refusals
+    assert len(calls(gm, "baddbmm")) == H * B
+    _assert_exact(alibi_attention_sized_by_minus_one, [q, k, v, bias, mask], gm, ex)
