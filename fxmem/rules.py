@@ -28,6 +28,7 @@ rule may refuse a match with a reason (`Refusal` is falsy and says why when prin
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -288,8 +289,9 @@ def _fake_mode(graph: fx.Graph):
     return None
 
 
-def propagate_meta(node: fx.Node, like: fx.Node | None = None) -> None:
-    """Give a new node an example value (run under the graph's fake mode) and `like`'s source."""
+def propagate_meta(node: fx.Node, like: fx.Node | None = None, *, in_modes: bool = False) -> None:
+    """Give a new node an example value (run under the graph's fake mode) and `like`'s source.
+    `in_modes`: the caller has already put the graph's modes at `node` in force."""
     if like is not None:
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in like.meta:
@@ -300,7 +302,8 @@ def propagate_meta(node: fx.Node, like: fx.Node | None = None) -> None:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
     if fake_mode is None:
         return
-    with fake_mode, modes_at(node):  # autocast picks dtypes, grad mode sets requires_grad
+    modes = contextlib.nullcontext() if in_modes else modes_at(node)
+    with fake_mode, modes:  # autocast picks dtypes, grad mode sets requires_grad
         if node.op == "call_method":
             value = getattr(args[0], node.target)(*args[1:], **kwargs)
         else:
@@ -318,9 +321,10 @@ def insert_call(fn: Callable[..., Any], kwargs: dict[str, Any], before: fx.Node,
     wrapped = {k: _wrap(v, tracer) for k, v in kwargs.items()}
     with graph.inserting_before(before):
         result = fn(**wrapped)
-    for n in graph.nodes:
-        if n not in existing:
-            propagate_meta(n, like)
+    with modes_at(before):  # once for all the new nodes: they share `before`'s modes
+        for n in graph.nodes:
+            if n not in existing:
+                propagate_meta(n, like, in_modes=True)
     return _unwrap(result)
 
 
