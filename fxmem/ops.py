@@ -14,6 +14,7 @@ import functools
 import inspect
 import operator
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,19 +25,20 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 __all__ = [
     "COMMUTATIVE",
+    "after_switch",
     "canonical_args",
     "example_value",
     "is_identity",
     "modes_at",
     "op_key",
+    "regions_at",
     "static_int",
     "static_shape",
     "storage_of",
     "storages_written",
     "switches_mode",
-    "undoes",
-    "written_in_place",
     "writes_in_place",
+    "written_in_place",
 ]
 
 
@@ -217,12 +219,15 @@ _IN_PLACE_FUNCTIONS = {
 def written_in_place(node: fx.Node) -> list[fx.Node]:
     """The tensors `node` (of a Dynamo graph) writes in place: its first argument for an
     in-place op (`x.add_(y)`, `x += y`, `x[i] = y`, `F.relu(x, True)`, each of the lists of
-    `torch._foreach_mul_`), the arguments an aten overload's schema marks written, and `out=`."""
+    `torch._foreach_mul_`), the arguments the aten schemas of a builtin or overload mark
+    written (`torch._amp_update_scale_`), a batch norm's running statistics, and `out=`."""
     if node.op not in ("call_function", "call_method"):
         return []
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return _nodes(_schema_written(node, target))
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.aten.relu_, a custom op
+        return _nodes([_argument(node, i, arg) for i, arg in _aten_writes(target._qualified_op_name)])
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     if name in _NOT_WRITES:
         return []
@@ -234,19 +239,107 @@ def written_in_place(node: fx.Node) -> list[fx.Node]:
             or (writes_in_place(name) and (not name.startswith("_") or name.startswith("_foreach_")))
             or _inplace_flag(node)
         )
-    return _nodes([node.args[0] if writes and node.args else None, node.kwargs.get("out")])
+    written = [node.args[0] if writes and node.args else None, node.kwargs.get("out")]
+    if node.op == "call_method" or _is_builtin(target):
+        # a method's self is its first argument, as in aten
+        written += [_argument(node, i, arg) for i, arg in _aten_writes("aten::" + name)]
+    written += _statistics_written(node)
+    return list(dict.fromkeys(_nodes(written)))
 
 
 # Methods whose names end in '_' that change no tensor's values.
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
 
 
+def _is_builtin(target: Any) -> bool:
+    """torch's functions bound from C++ (`torch.relu_`, `torch._amp_update_scale_`)."""
+    return isinstance(target, types.BuiltinFunctionType) and (getattr(target, "__module__", None) or "").startswith(
+        "torch"
+    )
+
+
+@functools.cache
+def _aten_writes(name: str) -> tuple[tuple[int | None, str], ...]:
+    """(position, or None for keyword-only, and name) of each argument that some overload of
+    the operator `name` ("aten::sort", "mylib::bump") writes. A list written counts only for
+    an in-place op (`_foreach_mul_`): `sort.Tensor` sorts a list of tensors, not a tensor."""
+    return tuple(
+        dict.fromkeys(
+            (None if arg.kwarg_only else i, arg.name)
+            for schema in torch._C._jit_get_schemas_for_operator(name)
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None
+            and arg.alias_info.is_write
+            and (schema.name.endswith("_") or not isinstance(arg.type, torch.ListType))
+        )
+    )
+
+
+def _argument(node: fx.Node, position: int | None, name: str) -> Any:
+    if position is not None and position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(name)
+
+
 def _schema_written(node: fx.Node, op: torch._ops.OpOverload) -> list[Any]:
-    written = []
-    for i, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    return written
+    return [
+        _argument(node, i, arg.name)
+        for i, arg in enumerate(op._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]
+
+
+# Functions that update running statistics in place when a flag says so: (flag, its default,
+# the statistics). aten's composite batch_norm schema does not mark these writes.
+_STATISTICS = {
+    F.batch_norm: ("training", False, ("running_mean", "running_var")),
+    torch.batch_norm: ("training", None, ("running_mean", "running_var")),
+    F.instance_norm: ("use_input_stats", True, ("running_mean", "running_var")),
+    torch.instance_norm: ("use_input_stats", None, ("running_mean", "running_var")),
+}
+_BUILTIN_POSITIONS = {
+    # torch.batch_norm / torch.instance_norm(input, weight, bias, running_mean, running_var, flag, ...)
+    "running_mean": 3,
+    "running_var": 4,
+    "flag": 5,
+}
+
+
+def _statistics_written(node: fx.Node) -> list[Any]:
+    """A batch or instance norm's running statistics, when it updates them; `F.embedding`'s
+    and `F.embedding_bag`'s weight, which they renormalise in place when given `max_norm`."""
+    if node.op != "call_function":
+        return []
+    target = node.target
+    if target in (F.embedding, F.embedding_bag):
+        bound = _bind(node)
+        return [bound.get("weight")] if bound is not None and bound.get("max_norm") is not None else []
+    if target not in _STATISTICS:
+        return []
+    flag, default, names = _STATISTICS[target]
+    if _is_builtin(target):
+        at = _BUILTIN_POSITIONS
+        on = node.args[at["flag"]] if len(node.args) > at["flag"] else node.kwargs.get(flag, default)
+        stats = [node.args[at[n]] if len(node.args) > at[n] else node.kwargs.get(n) for n in names]
+    else:
+        bound = _bind(node)
+        if bound is None:
+            return list(node.args[1:3])  # cannot tell: count (input, running_mean, running_var, ...) written
+        on = bound.get(flag, default)
+        stats = [bound.get(n) for n in names]
+    return stats if on is not False else []
+
+
+def _bind(node: fx.Node) -> dict[str, Any] | None:
+    signature = _signature(node.target)
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _inplace_flag(node: fx.Node) -> bool:
@@ -300,12 +393,93 @@ def switches_mode(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") in _MODE_SWITCHES
 
 
-def undoes(switch: fx.Node, entered: fx.Node) -> bool:
-    """Whether mode switch `switch` ends the region `entered` began: the exit of that enter, or
-    the same setter putting back the other value (`_set_grad_enabled(False)` ... `(True)`)."""
-    if switch.target.__name__.startswith("_exit_"):
-        return switch.args[:1] == (entered,)
-    return switch.target is entered.target and switch.args[:-1] == entered.args[:-1] and switch.args != entered.args
+# Each switch's parameters in order: Dynamo may pass any of them by keyword, and the builtins
+# have no signature to bind them with.
+_PARAMETERS = {
+    "_enter_autocast": ("device_type", "dtype", "enabled", "cache_enabled"),
+    "_exit_autocast": ("ctx",),
+    "_set_grad_enabled": ("mode",),
+    "_enter_inference_mode": ("mode",),
+    "_exit_inference_mode": ("ctx",),
+    "set_autocast_enabled": ("device_type", "enabled"),
+    "set_autocast_dtype": ("device_type", "dtype"),
+}
+
+
+def _arguments(switch: fx.Node) -> tuple[Any, ...]:
+    """`switch`'s arguments by position, keywords placed; an autocast setter's without a
+    device (the old `set_autocast_enabled(True)`) are CUDA's."""
+    name = switch.target.__name__
+    args = list(switch.args)
+    for parameter in _PARAMETERS[name][len(args) :]:
+        if parameter not in switch.kwargs:
+            break
+        args.append(switch.kwargs[parameter])
+    if name.startswith("set_autocast_") and len(args) == 1:
+        args.insert(0, "cuda")
+    return tuple(args)
+
+
+def _state(switch: fx.Node) -> tuple[Any, ...]:
+    """What `switch` sets: one device's autocast (its enabled flag and dtype), or grad and
+    inference mode. An exit restores that state as it was at its enter."""
+    name = switch.target.__name__
+    if name in ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode"):
+        return ("grad",)
+    args = _arguments(switch)
+    if name == "_exit_autocast":
+        entered = args[0] if args else None
+        return _state(entered) if isinstance(entered, fx.Node) else ("autocast", None)
+    return ("autocast", args[0] if args else None)
+
+
+def after_switch(regions: tuple[fx.Node, ...], switch: fx.Node) -> tuple[fx.Node, ...]:
+    """The switches in force after mode switch `switch`, given those in force before it
+    (`regions`, oldest first). An exit ends its enter and every switch of the same state made
+    since; a setter that puts back the value its key had before its last setter, with no
+    switch of that state since, ends that setter (`_set_grad_enabled(False)` ... `(True)`);
+    any other switch stays in force after the switches before it."""
+    name = switch.target.__name__
+    args = _arguments(switch)
+    if name.startswith("_exit_"):
+        entered = args[0] if args else None
+        if entered in regions:
+            at = regions.index(entered)
+            state = _state(entered)
+            return regions[:at] + tuple(r for r in regions[at + 1 :] if _state(r) != state)
+        return (*regions, switch)
+    if name in _GETTERS:
+        key = (switch.target, args[:-1])
+        setters = [i for i, r in enumerate(regions) if (r.target, _arguments(r)[:-1]) == key]
+        if (
+            setters
+            and all(_state(r) != _state(switch) for r in regions[setters[-1] + 1 :])
+            and args[-1:] == (_value_before(regions, setters[-1]),)
+        ):
+            return regions[: setters[-1]] + regions[setters[-1] + 1 :]
+    return (*regions, switch)
+
+
+def _value_before(regions: tuple[fx.Node, ...], at: int) -> Any:
+    """The value setter `regions[at]`'s key had before it, where the switches before it tell.
+    Dynamo records a grad setter only where it changes the mode, so grad was the other
+    value; an autocast setter it records even where it changes nothing."""
+    setter = regions[at]
+    name = setter.target.__name__
+    args = _arguments(setter)
+    if name == "_set_grad_enabled":
+        return not args[-1]
+    for r in reversed(regions[:at]):
+        earlier = _arguments(r)
+        if r.target is setter.target and earlier[:-1] == args[:-1]:
+            return earlier[-1]
+        if r.target.__name__ == "_enter_autocast" and earlier[:1] == args[:1]:
+            value = earlier[1 if name == "set_autocast_dtype" else 2] if len(earlier) > 2 else None
+            return _UNKNOWN if value is None else value
+    return _UNKNOWN
+
+
+_UNKNOWN = object()  # the caller's value, not known from the graph
 
 
 _GETTERS: dict[str, Callable[..., Any]] = {
@@ -315,25 +489,23 @@ _GETTERS: dict[str, Callable[..., Any]] = {
 }
 
 
+def regions_at(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The graph's mode switches in force at `node` (see `after_switch`), oldest first."""
+    regions: tuple[fx.Node, ...] = ()
+    for n in node.graph.nodes:
+        if n is node:
+            break
+        if switches_mode(n):
+            regions = after_switch(regions, n)
+    return regions
+
+
 @contextlib.contextmanager
 def modes_at(node: fx.Node) -> Iterator[None]:
     """The autocast, grad and inference modes the graph's switches put in force at `node`, over
     the caller's."""
-    regions: list[fx.Node] = []
-    for n in node.graph.nodes:
-        if n is node:
-            break
-        if not switches_mode(n):
-            continue
-        if n.target.__name__.startswith("_exit_"):
-            if n.args and n.args[0] in regions:
-                del regions[regions.index(n.args[0]) :]
-        elif regions and undoes(n, regions[-1]):
-            regions.pop()
-        else:
-            regions.append(n)
     with contextlib.ExitStack() as stack:
-        for switch in regions:
+        for switch in regions_at(node):
             stack.callback(_enter(switch))
         yield
 
@@ -341,15 +513,16 @@ def modes_at(node: fx.Node) -> Iterator[None]:
 def _enter(switch: fx.Node) -> Callable[[], Any]:
     """Do what `switch` does; returns what undoes it."""
     name = switch.target.__name__
-    if any(isinstance(a, fx.Node) for a in switch.args):
-        return lambda: None  # a mode read from the graph's values: not known here
+    args = _arguments(switch)
+    if name.startswith("_exit_") or any(isinstance(a, fx.Node) for a in args):
+        return lambda: None  # an exit without its enter, or a mode read from the graph's values
     if name.startswith("_enter_"):
-        context = switch.target(*switch.args)
+        context = switch.target(*args)
         leave = getattr(sys.modules[switch.target.__module__], "_exit_" + name.removeprefix("_enter_"))
         return lambda: leave(context)
-    before = _GETTERS[name](*switch.args[:-1])
-    switch.target(*switch.args)
-    return lambda: switch.target(*switch.args[:-1], before)
+    before = _GETTERS[name](*args[:-1])
+    switch.target(*args)
+    return lambda: switch.target(*args[:-1], before)
 
 
 def storage_of(node: Any) -> int | None:

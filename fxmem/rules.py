@@ -42,6 +42,7 @@ import torch.fx as fx
 from fxmem.constants import capture_inputs
 from fxmem.ops import (
     COMMUTATIVE,
+    after_switch,
     canonical_args,
     example_value,
     is_identity,
@@ -49,7 +50,6 @@ from fxmem.ops import (
     op_key,
     storage_of,
     switches_mode,
-    undoes,
     writes_in_place,
     written_in_place,
 )
@@ -222,7 +222,7 @@ def _interleaved(covered: list[fx.Node], rule: Rule) -> Refusal | None:
     inside = set(covered)
     read_nodes: set[fx.Node] = set()
     read: set[int] = set()  # storages
-    entered: list[fx.Node] = []  # mode switches since the first covered node, not undone
+    entered: tuple[fx.Node, ...] = ()  # mode switches since the first covered node, in force
     n = covered[0]
     while True:
         if n in inside:
@@ -232,12 +232,7 @@ def _interleaved(covered: list[fx.Node], rule: Rule) -> Refusal | None:
                 read_nodes.add(x)
                 read.add(storage_of(x))
         elif switches_mode(n):
-            if entered and undoes(n, entered[-1]):
-                entered.pop()
-            elif not n.target.__name__.startswith("_exit_"):
-                entered.append(n)
-            else:
-                return Refusal(f"the matched {rule.name} spans {n.name} (autocast or grad mode changes)")
+            entered = after_switch(entered, n)
         else:
             for written in written_in_place(n):
                 if written in read_nodes or storage_of(written) in read - {None}:

@@ -64,7 +64,9 @@ def replacement_1(x, weights, biases, sizes):
     return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
-def guard(x: fx.Node, linears: list[fx.Node], order: dict[fx.Node, int]) -> Refusal | None:
+def guard(x: fx.Node, linears: list[fx.Node], order: dict[fx.Node, int], written: set[int | None]) -> Refusal | None:
+    """Refuse a group that cannot share one matmul. `written`: the storages the graph writes
+    in place (fusing adds no writes, so one set serves the whole pass)."""
     weights = [example_value(n.args[1]) for n in linears]
     biases = [_bias(n) for n in linears]
     if any(not isinstance(w, torch.Tensor) or w.ndim != 2 for w in weights):
@@ -77,7 +79,6 @@ def guard(x: fx.Node, linears: list[fx.Node], order: dict[fx.Node, int]) -> Refu
         w.requires_grad for w in weights
     ):
         return Refusal("some weights are frozen and some are trained")
-    written = storages_written(x.graph)
     if any(storage_of(n) in written for n in linears):
         # Fused, each projection is a view of one output, which autograd does not let be
         # written in place (`q *= scaling` after `q = self.q(x)`).
@@ -116,8 +117,9 @@ def _groups(graph: fx.Graph, order: dict[fx.Node, int]) -> list[tuple[fx.Node, l
 def fuse_projections(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tuple[fx.GraphModule, int]:
     fired = 0
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written = storages_written(gm.graph)
     for x, linears in _groups(gm.graph, order):
-        refusal = guard(x, linears, order)
+        refusal = guard(x, linears, order, written)
         if refusal is not None:
             log.debug("fuse_projections refused at %s: %s", x.name, refusal.reason)
             continue

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from _graphs import calls, capture, run_graph
 
+from fxmem.ops import modes_at
 from fxmem.pipeline import PASSES, default_passes, run_passes
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf, erase_unused, insert_call, match
 
@@ -218,10 +219,66 @@ def _product_then_inference_mode(a, b):
         return torch.softmax(t, -1)
 
 
+def _sum_in_no_grad(a, b):
+    with torch.no_grad():
+        return a.sum()
+
+
+def _product_then_two_dtypes(a, b):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t = a @ b  # in bf16; the second setter does not put bf16 back
+        torch.set_autocast_dtype("cpu", torch.float16)
+        torch.set_autocast_dtype("cpu", torch.float32)
+        return torch.softmax(t, -1)
+
+
+def _product_then_grad_off_in_autocast(a, b):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t = a @ b
+        torch.set_grad_enabled(False)  # outlives the autocast region
+    return torch.softmax(t, -1)
+
+
+def _product_then_setter_across_autocast(a, b):
+    t = a @ b  # autocast off: fp32
+    torch.set_autocast_enabled("cpu", True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.set_autocast_enabled("cpu", False)  # undone by the exit, not undoing the setter before
+    s = torch.softmax(t, -1)  # autocast on
+    torch.set_autocast_enabled("cpu", False)
+    return s
+
+
+def _product_then_redundant_setter(a, b):
+    t = a @ b
+    torch.set_autocast_enabled("cpu", False)  # already off: Dynamo records it all the same
+    torch.set_autocast_enabled("cpu", True)
+    s = torch.softmax(t, -1)
+    torch.set_autocast_enabled("cpu", False)
+    return s
+
+
+def _grad_back_on_inside_inference_mode(a, b):
+    torch.set_grad_enabled(False)
+    with torch.inference_mode():
+        torch.set_grad_enabled(True)  # the exit restores grad off
+    s = torch.softmax(a @ b, -1)
+    torch.set_grad_enabled(True)
+    return s
+
+
+def _update_scale(a, b):
+    torch._amp_update_scale_(b[0, :1], torch.zeros(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 1)
+
+
 @pytest.mark.parametrize(
     ("fn", "reason"),
     [
         (_product_then_autocast, "autocast or grad mode"),
+        (_product_then_two_dtypes, "autocast or grad mode"),
+        (_product_then_grad_off_in_autocast, "autocast or grad mode"),
+        (_product_then_setter_across_autocast, "autocast or grad mode"),
+        (_product_then_redundant_setter, "autocast or grad mode"),
         (_product_then_no_grad, "autocast or grad mode"),
         (_product_then_inference_mode, "autocast or grad mode"),
         # moved past any of these, the product would read what they wrote
@@ -231,9 +288,15 @@ def _product_then_inference_mode(a, b):
         (_product_then(lambda a, b: torch.ops.aten.relu_.default(b)), "in place"),
         (_product_then(lambda a, b: torch._foreach_zero_([b])), "in place"),
         (_product_then(lambda a, b: torch.mul(a, 2, out=b)), "in place"),
+        (_product_then(_update_scale), "in place"),  # a private builtin, its schema says what it writes
+        (_product_then(lambda a, b: F.batch_norm(a, b[0], b[1], training=True)), "in place"),  # running stats
     ],
     ids=[
         "autocast",
+        "two-dtype-setters",
+        "grad-off-in-autocast",
+        "setter-across-autocast",
+        "redundant-setter",
         "no_grad",
         "inference_mode",
         "fill_",
@@ -242,24 +305,57 @@ def _product_then_inference_mode(a, b):
         "aten-overload",
         "foreach",
         "out",
+        "private-builtin",
+        "batch-norm-statistics",
     ],
 )
 def test_a_match_interleaved_with_what_changes_its_meaning_refuses(fn, reason):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 32, generator=g), torch.randn(32, 32, generator=g)
-    refusals = [r for r in _matches(SOFTMAX_OF_PRODUCT, fn, a, b.clone()) if not r]
-    assert len(refusals) == 1 and reason in str(refusals[0])
-    gm, ex = capture(fn, a, b.clone())
-    gm, fired = RulePass("softmax_of_product", [SOFTMAX_OF_PRODUCT])(gm, ex)
-    assert fired == 0
-    got = run_graph(gm, [a, b.clone()])
-    want = fn(a, b.clone())
+    try:
+        refusals = [r for r in _matches(SOFTMAX_OF_PRODUCT, fn, a, b.clone()) if not r]
+        assert len(refusals) == 1 and reason in str(refusals[0])
+        gm, ex = capture(fn, a, b.clone())
+        gm, fired = RulePass("softmax_of_product", [SOFTMAX_OF_PRODUCT])(gm, ex)
+        assert fired == 0
+        got = run_graph(gm, [a, b.clone()])
+        want = fn(a, b.clone())
+    finally:
+        torch.set_grad_enabled(True)  # a graph or function that leaves grad off
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
-def _sum_in_no_grad(a, b):
-    with torch.no_grad():
-        return a.sum()
+@pytest.mark.parametrize(
+    ("fn", "grad", "autocast", "dtype"),
+    [
+        (_product_then_two_dtypes, True, True, torch.float32),
+        (_product_then_grad_off_in_autocast, False, False, None),
+        (_product_then(_sum_in_no_grad), True, False, None),
+        (_product_then_setter_across_autocast, True, True, None),
+        (_grad_back_on_inside_inference_mode, False, False, None),
+    ],
+    ids=["two-dtype-setters", "grad-off-in-autocast", "balanced-no_grad", "setter-across-autocast", "inference-exit"],
+)
+def test_modes_at_a_node_are_those_the_switches_before_it_leave(fn, grad, autocast, dtype):
+    g = torch.Generator().manual_seed(0)
+    try:
+        gm, _ = capture(fn, torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+    finally:
+        torch.set_grad_enabled(True)
+    (softmax,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "softmax"]
+    before = (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    with modes_at(softmax):
+        assert torch.is_grad_enabled() is grad and torch.is_autocast_enabled("cpu") is autocast
+        if dtype is not None:
+            assert torch.get_autocast_dtype("cpu") == dtype
+    assert (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == before
+
+
+def _dtype_set_by_keyword(a, b):
+    torch.set_autocast_dtype("cpu", dtype=torch.float16)
+    s = torch.softmax(a @ b, -1)
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
+    return s
 
 
 def _product_masked_after_a_write(a, b, c):
@@ -275,6 +371,9 @@ def _product_masked_after_a_write(a, b, c):
         (_product_then(_sum_in_no_grad), SOFTMAX_OF_PRODUCT, 2),
         (_product_then(lambda a, b: (a > 0) & (b > 0)), SOFTMAX_OF_PRODUCT, 2),  # `&` writes nothing
         (_product_then(lambda a, b: a.clone().add_(1)), SOFTMAX_OF_PRODUCT, 2),  # a write to another tensor
+        (_product_then(lambda a, b: torch.sort(b, -1)), SOFTMAX_OF_PRODUCT, 2),  # aten's list sort writes a list
+        (_product_then(lambda a, b: b.sort()), SOFTMAX_OF_PRODUCT, 2),
+        (_dtype_set_by_keyword, SOFTMAX_OF_PRODUCT, 2),  # the modes replayed from keywords
         (
             _product_masked_after_a_write,
             Rule("masked", lambda a, b, c: torch.softmax(a @ b + c, -1), lambda a, b, c: F.softmax(c + a @ b, dim=-1)),
@@ -293,7 +392,16 @@ def _product_masked_after_a_write(a, b, c):
             2,
         ),
     ],
-    ids=["balanced-no_grad", "and", "other-tensor", "input-written-before-read", "one-op"],
+    ids=[
+        "balanced-no_grad",
+        "and",
+        "other-tensor",
+        "sort",
+        "sort-method",
+        "dtype-keyword",
+        "input-written-before-read",
+        "one-op",
+    ],
 )
 def test_a_match_interleaved_with_what_leaves_its_meaning_is_rewritten(fn, rule, args):
     g = torch.Generator().manual_seed(0)
