@@ -13,7 +13,9 @@ assigned to the attribute (the graph then receives it as the same input). So a r
 relies on a folded value registers a `BufferCheck` on the graph, and the compiled step checks
 it on every call: the buffers' addresses and version counters are compared, which costs
 nothing; when one changed the value is evaluated again, and if the rule's premise no longer
-holds the step raises instead of computing something else.
+holds the step raises instead of computing something else. A write through `.data` (or under
+`torch.inference_mode`) leaves the version counter as it was, as it does for autograd's own
+checks, and is not seen.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem.nodes import _is_random
+from fxmem.ops import storage_of, storages_written
 
 __all__ = ["BufferCheck", "capture_inputs", "checked", "fold", "register_check"]
 
@@ -82,8 +85,9 @@ def fold(node: fx.Node) -> tuple[torch.Tensor, Callable[[Sequence[Any]], torch.T
     """Evaluate `node` from module buffers, literals and shapes on the captured real inputs.
 
     Returns (value, evaluate(args) -> value, the graph-input positions it reads), or None when
-    `node` depends on anything else (a batch input, a parameter, a random op, a symbolic size)
-    or no real inputs are in view (see `capture_inputs`).
+    `node` depends on anything else (a batch input, a parameter, a random op, a symbolic size),
+    on a buffer the graph itself writes in place, or no real inputs are in view (see
+    `capture_inputs`).
     """
     inputs = _INPUTS.get()
     if not inputs:
@@ -110,6 +114,9 @@ def fold(node: fx.Node) -> tuple[torch.Tensor, Callable[[Sequence[Any]], torch.T
 
     if not visit(node):
         return None
+    written = storages_written(node.graph)
+    if any(storage_of(n) in written for n in order):
+        return None  # the graph writes a buffer it reads (`self.keep.copy_(mask)`): not the captured value
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     reads = [n for n in order if n.op == "placeholder"]

@@ -54,7 +54,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem import _torch_private, constants
-from fxmem.ops import example_value, op_key, static_int
+from fxmem.ops import example_value, op_key, static_int, storage_of, written_in_place
 from fxmem.rules import Match, Refusal, Rule, RulePass
 
 __all__ = ["swap_sdpa"]
@@ -256,8 +256,22 @@ def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
         return None
     if any(k != slice(None) for i, k in enumerate(key) if i != 2):
         return None
-    b, h_kv = example_value(base).shape[:2]
-    return base, example_value(kv).shape[1] // h_kv
+    b, h_kv, t, d = example_value(base).shape
+    shape = example_value(kv).shape
+    if len(shape) != 4 or shape[1] % h_kv or (shape[0], shape[2], shape[3]) != (b, t, d):
+        return None  # not (b, h_kv * n, t, d): the heads are not each key head's n copies
+    return base, shape[1] // h_kv
+
+
+def _written_later(out: fx.Node) -> bool:
+    """Whether a node after `out` writes its value (or a view of it) in place."""
+    storage = storage_of(out)
+    node = out.next
+    while node.op != "output":
+        if any(w is out or storage_of(w) == storage for w in written_in_place(node)):
+            return True
+        node = node.next
+    return False
 
 
 def _any_row_dropped(mask: torch.Tensor, masked: bool) -> bool:
@@ -308,11 +322,17 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             # only where the sum rounds to the fill (finfo.min) or it is -inf.
             return Refusal(f"the mask fill {fill} replaces scores, which an additive mask cannot")
         m.bindings["fill"] = fill
+    if _written_later(m.output):
+        # Eager's matmul saves its inputs; SDPA's backward reads its own output as well.
+        return Refusal("the attention's output is written in place later")
     mask = m.val("mask") if "mask" in m.bindings else None
     folded = None  # the mask's value when made from module buffers and shapes (`constants.fold`)
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             return Refusal("the mask is not a tensor")
+        scores = (*q.shape[:-1], k.shape[-2])
+        if mask.ndim < 2 or mask.ndim > 4 or torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
+            return Refusal(f"the mask's shape {tuple(mask.shape)} does not broadcast to the scores' {scores}")
         wants_bool = "fill" in m.bindings
         if wants_bool != (mask.dtype == torch.bool):
             return Refusal(f"mask dtype {mask.dtype} does not suit this rule")

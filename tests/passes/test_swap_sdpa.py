@@ -749,3 +749,75 @@ def test_a_changed_causal_buffer_is_an_error_not_a_wrong_answer():
         model.h[1].attn.bias.fill_(1.0)  # attend everywhere: the rewrite would now be wrong
     with pytest.raises(RuntimeError, match="causal attention mask"):
         step(m, *batch)
+
+
+class _KeepWritten(nn.Module):
+    """A causal mask buffer the forward overwrites with the batch's mask before reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("keep", causal())
+
+    def forward(self, q, k, v, keep):
+        self.keep.copy_(keep)
+        att = (q @ k.transpose(-2, -1)) * D**-0.5
+        return F.softmax(att.masked_fill(~self.keep, float("-inf")), -1) @ v
+
+
+def test_a_buffer_the_forward_writes_is_not_taken_for_its_captured_value():
+    q, k, v = (t.detach() for t in _qkv())
+    everywhere = torch.ones(T, T, dtype=torch.bool)  # this batch's mask: not causal
+    fn, seen = compile_with_pass(swap_sdpa, _KeepWritten())
+    got = fn(q, k, v, everywhere)
+    ((gm, fired),) = seen
+    (node,) = calls(gm, F.scaled_dot_product_attention)
+    assert fired == 1 and node.kwargs["is_causal"] is False
+    torch.testing.assert_close(got, _KeepWritten()(q, k, v, everywhere))
+
+
+def test_an_attention_output_written_in_place_later_is_refused():
+    """SDPA's backward reads its own output; eager's matmul does not."""
+
+    def fn(q, k, v, keep):
+        y = nanogpt_mul(q, k, v, keep)
+        y.mul_(2.0)
+        return y
+
+    args = (*_qkv(), causal())
+    gm, ex, fired = _swap(fn, *args)
+    assert fired == 0 and "written in place later" in swap_sdpa.refusals[0][2]
+    _assert_exact(fn, args, gm, ex)
+
+
+@pytest.mark.parametrize(
+    ("mask_shape", "q_batch"),
+    [((T,), B), ((3, 1, 1, T, T), B), ((B, 1, T, T), 1)],
+    ids=["1-D", "5-D", "batch-only-in-the-mask"],
+)
+def test_a_mask_that_does_not_broadcast_to_the_scores_is_refused(mask_shape, q_batch):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(q_batch, H, T, D, generator=g).requires_grad_() for _ in range(3))
+    mask = torch.randn(*mask_shape, generator=g)
+    gm, ex, fired = _swap(additive_mask, q, k, v, mask)
+    assert fired == 0 and "does not broadcast" in swap_sdpa.refusals[0][2]
+    want = additive_mask(q, k, v, mask)
+    torch.testing.assert_close(run_graph(gm, ex), want)
+
+
+def test_keys_expanded_and_reshaped_otherwise_than_repeat_kv_stay_repeated():
+    """x[:, :, None].expand(...).reshape(b, h, t, d) with other (h, t) than (h_kv * n, t) is not
+    HF's repeat_kv: its heads are not each key head's copies, and `enable_gqa` would read it so."""
+    kv, n = 2, 2
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, kv * n * 2, T // 2, D, generator=g).requires_grad_()
+    k, v = (torch.randn(B, kv, T, D, generator=g).requires_grad_() for _ in range(2))
+
+    def fn(q, k, v):
+        k, v = (x[:, :, None, :, :].expand(B, kv, n, T, D).reshape(B, kv * n * 2, T // 2, D) for x in (k, v))
+        return torch.matmul(F.softmax(torch.matmul(q, k.transpose(-2, -1)) * D**-0.5, -1), v)
+
+    gm, ex, fired = _swap(fn, q, k, v)
+    (node,) = calls(gm, F.scaled_dot_product_attention)
+    assert fired == 1 and node.kwargs["enable_gqa"] is False
+    loss_err, grad_err = compare_with_eager(lambda: fn(q, k, v), lambda: run_graph(gm, ex), [q, k, v], torch.sum)
+    assert loss_err < TOL and grad_err < TOL
