@@ -25,6 +25,13 @@ Tolerance: a bf16 step is not fp32's. tests/passes/test_bf16_regions.py trains t
 for a few steps both ways and bounds the loss difference (see there for the measured value).
 Refuses graphs that already enter autocast (the model chose its own precision) and graphs
 without a matmul-like op (nothing to gain).
+
+Numbers Dynamo took from an fp32 tensor's dtype are written into the graph as fp32's: a mask
+fill of `torch.finfo(scores.dtype).min` stays fp32's smallest number while the scores become
+bf16, where it rounds to -inf (a row the mask drops whole gives NaN) or does not fit
+(`masked_fill` raises). In the region fp32's largest and smallest finite numbers become bf16's,
+which autocast itself would have traced; other dtype-dependent values (`torch.zeros(...,
+dtype=h.dtype)` meeting a bf16 `h` in `index_add_`) stay as traced and raise as they would.
 """
 
 from __future__ import annotations
@@ -70,6 +77,19 @@ def _device_type(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
     return "cpu"
 
 
+_FP32, _BF16 = torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
+
+
+def _bf16_extreme(value: Any) -> Any:
+    """fp32's largest and smallest finite numbers as bf16's: Dynamo wrote the numbers a model
+    took from its fp32 tensors' dtype into the graph (`torch.finfo(scores.dtype).min`, HF's
+    mask fill), and in the region those tensors are bf16, in which fp32's extremes round to
+    infinity (a padded row's fill turns its softmax into NaN; `masked_fill` raises)."""
+    if isinstance(value, float) and value in (_FP32.min, _FP32.max):
+        return _BF16.min if value < 0 else _BF16.max
+    return value
+
+
 def guard(gm: fx.GraphModule) -> Refusal | None:
     if any(getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
         return Refusal("the model already enters autocast")
@@ -104,6 +124,9 @@ def bf16_regions(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tupl
             return value
 
         output.args = (fx.node.map_aggregate(output.args[0], restore),)
+    for node in nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _bf16_extreme)
     lowered = sum(op_key(n) in _LOWERED for n in nodes)
     graph.lint()
     gm.recompile()

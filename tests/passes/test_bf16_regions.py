@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.fx as fx
+from _graphs import capture, run_graph
 from conftest import small_gpt, step
 from fxmem.passes.bf16_regions import bf16_regions
 
@@ -94,3 +96,38 @@ def test_refuses_a_model_that_enters_autocast_itself():
     gm, fired = run_passes(graphs[0], [], ["bf16_regions"])
     assert fired == {"bf16_regions": 0}
     assert gm.code == before
+
+
+class _PaddedAttention(torch.nn.Module):
+    """Attention masked with fills taken from the scores' dtype, as HF writes them."""
+
+    def __init__(self, form: str, c: int = 16, heads: int = 2):
+        super().__init__()
+        self.qkv, self.form, self.heads = torch.nn.Linear(c, 3 * c), form, heads
+
+    def forward(self, x, keep):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.qkv(x).chunk(3, -1))
+        att = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        fill = torch.finfo(att.dtype).min
+        if self.form == "masked_fill":
+            att = att.masked_fill(~keep, fill)
+        else:
+            att = torch.where(keep, att, torch.full([], fill, dtype=att.dtype))
+        return (torch.softmax(att, -1) @ v).sum()
+
+
+@pytest.mark.parametrize("form", ["masked_fill", "where"])
+def test_a_fill_taken_from_the_scores_dtype_is_bf16s_in_the_region(form):
+    """Traced in fp32, `finfo(scores.dtype).min` is fp32's; the region makes it bf16's, as a
+    model run under autocast takes it: rows the left padding drops whole stay finite."""
+    torch.manual_seed(0)
+    model, x = _PaddedAttention(form), torch.randn(2, 8, 16)
+    keep = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).clone()
+    keep[1, ..., :3] = False  # left padding: sample 1's first rows drop every key
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, keep)
+    gm, ex = capture(model, x, keep)
+    gm, fired = bf16_regions(gm, ex)
+    got = run_graph(gm, ex)
+    assert fired == 3 and torch.isfinite(got) and torch.equal(got, want.float())
