@@ -18,6 +18,13 @@ convolution on CPU, inductor runs convolutions channels-last, so a graph input r
 batch of images) is copied to channels-last, and that copy is what the backward keeps. As a
 node the copy is counted, kept from the forward (inductor keeps one for the backward whatever
 the plan says). So is the copy inductor makes for a view a channels-last value cannot take.
+A gradient summed over many readers of one value (T5's attention bias, which every layer
+adds to its scores) is a chain of adds in the backward, one as each layer's term arrives.
+Inductor computes such a chain in the kernel that reads the sum, so every term stays alive
+until the last: sixteen 4 MiB terms at once in the zoo's T5. Where library calls run between
+the chain's first add and its last, each add is made `fxmem.opaque.add`, which writes the sum
+as each term arrives (`realize_running_sums`; fusing compilers only).
+
 And where inductor would choose a layout for a value the forward saves that the plan cannot
 count (channels-last for a value in (N, H, W, C)), the value is saved through a view that
 inductor keeps as traced.
@@ -32,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem import kernels
+from fxmem import kernels, opaque
 from fxmem.nodes import _is_impure, _is_random, aliased_input, retrace_views
 from fxmem.ops import storage_of
 
@@ -41,6 +48,7 @@ __all__ = [
     "copy_conv_inputs_channels_last",
     "copy_views_of_channels_last",
     "merge_repeated_values",
+    "realize_running_sums",
     "remove_redundant_clones",
     "save_as_traced",
 ]
@@ -78,6 +86,64 @@ def remove_redundant_clones(gm: fx.GraphModule) -> dict[int, int]:
     if remap:
         gm.recompile()
     return remap
+
+
+_ADD = torch.ops.aten.add.Tensor
+# A running sum is written out as its terms arrive only when they are at least this large:
+# smaller ones cost little alive, and each written sum is a kernel of its own.
+MIN_RUNNING_SUM_BYTES = 1 << 20
+# ... and have at least four terms. Fewer are one layer's own: the gradients of its q, k and v
+# projections' input, made one after another, are read as one sum by its norm's backward
+# (written as they go, the zoo's Llama floor rose 0.6 MiB: each partial sum is a new buffer).
+_MIN_RUNNING_SUM_ADDS = 3
+
+
+def realize_running_sums(gm: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """Make the backward's chains of three or more adds that span library calls
+    `fxmem.opaque.add`s; returns how many adds were. A chain: adds of two values of the
+    result's size, dtype and strides, each but the last read only by the next."""
+    graph = gm.graph
+    output = next(iter(graph.find_nodes(op="output")))
+    forward_outputs = [o for o in tp.tree_leaves(output.args)[:num_fwd_outputs] if isinstance(o, fx.Node)]
+    forward = set(kernels.reach(forward_outputs, lambda node: node.all_input_nodes))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    calls = [order[n] for n in graph.nodes if n.op == "call_function" and not kernels.is_fusible(n)]
+
+    def link(node: fx.Node) -> bool:
+        if node.target is not _ADD or node in forward or node.kwargs or len(node.args) != 2:
+            return False
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() * val.element_size() < MIN_RUNNING_SUM_BYTES:
+            return False
+        return all(
+            isinstance(a, fx.Node)
+            and isinstance(v := a.meta.get("val"), torch.Tensor)
+            and (v.shape, v.dtype, v.stride()) == (val.shape, val.dtype, val.stride())
+            for a in node.args
+        )
+
+    def before(node: fx.Node) -> fx.Node | None:
+        """The add of the chain before `node`: an argument that is a link read only by it."""
+        return next((a for a in node.args if isinstance(a, fx.Node) and link(a) and len(a.users) == 1), None)
+
+    ends = [
+        n
+        for n in graph.nodes
+        if link(n) and not (len(n.users) == 1 and link(u := next(iter(n.users))) and before(u) is n)
+    ]
+    made = 0
+    for end in ends:
+        chain = [end]
+        while (prev := before(chain[-1])) is not None:
+            chain.append(prev)
+        if len(chain) < _MIN_RUNNING_SUM_ADDS or not kernels.any_between(calls, order[chain[-1]], order[end]):
+            continue
+        for node in chain:
+            node.target = opaque.add._opoverload
+        made += len(chain)
+    if made:
+        gm.recompile()
+    return made
 
 
 def _replace(node: fx.Node, kept: fx.Node, remap: dict[int, int]) -> None:

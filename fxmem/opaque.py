@@ -6,7 +6,8 @@ code: kernels that differed only in that offset become one. `row_chunks` copies 
 rows chunk by chunk so, in one call. `seeds_from_buffers` reads each random op's seed through
 `rows` (identical dropouts compile one kernel); `chunked_lm_loss` reads each chunk's targets,
 and in the backward their log-sum-exps, through `row_chunks`. `addmm` adds a matmul to a
-running sum in one library call that inductor cannot take apart.
+running sum in one library call that inductor cannot take apart, and `add` adds a value to one
+(`cleanup.realize_running_sums`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.utils.flop_counter import mm_flop, register_flop_formula
 
 from fxmem import _torch_private as tp
 
-__all__ = ["addmm", "row_chunks", "rows", "seeds_from_buffers"]
+__all__ = ["add", "addmm", "row_chunks", "rows", "seeds_from_buffers"]
 
 
 @torch.library.custom_op("fxmem::rows", mutates_args=())
@@ -73,6 +74,19 @@ def _(total, a, b):
 @register_flop_formula(torch.ops.fxmem.addmm)
 def _(total_shape, a_shape, b_shape, *args, **kwargs) -> int:
     return mm_flop(a_shape, b_shape)
+
+
+@torch.library.custom_op("fxmem::add", mutates_args=())
+def add(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`total + x` in a buffer laid out as `total`, in one call a fusing compiler cannot take
+    apart: a running sum written out as each term arrives, where fused its adds would be
+    computed in the kernel that reads the sum, with every term alive until then."""
+    return torch.add(total, x, out=torch.empty_like(total))
+
+
+@add.register_fake
+def _(total, x):
+    return torch.empty_like(total)
 
 
 def seeds_from_buffers(gm: fx.GraphModule) -> int:

@@ -37,6 +37,7 @@ from fxmem.cleanup import (
     copy_conv_inputs_channels_last,
     copy_views_of_channels_last,
     merge_repeated_values,
+    realize_running_sums,
     remove_redundant_clones,
 )
 from fxmem.cost import CostModel, DeviceRates, measure_rates, tensor_bytes
@@ -183,6 +184,8 @@ def _plan_and_emit(
     with context():
         storage_remap = merge_repeated_values(joint, num_fwd_outputs)
         storage_remap.update(remove_redundant_clones(joint))
+        if req.compiler == "inductor":
+            realize_running_sums(joint, num_fwd_outputs)
         layout_opt = req.compiler == "inductor" and on_callers_thread(tp.inductor_layout_optimization, joint)
         if layout_opt:
             copy_conv_inputs_channels_last(joint)

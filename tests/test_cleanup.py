@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -10,6 +13,7 @@ from fxmem.cleanup import (
     copy_conv_inputs_channels_last,
     copy_views_of_channels_last,
     merge_repeated_values,
+    realize_running_sums,
     save_as_traced,
 )
 from fxmem.kernels import LAYOUT_COPY
@@ -171,3 +175,30 @@ def test_a_value_computed_twice_and_read_by_the_backward_is_computed_once():
     torch.manual_seed(1)
     for a, b in zip(got, _two_layers(x, m, gy), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _sums(x, t1, t2, t3, w, between: bool, terms: int = 4):
+    """A forward output and, beyond it, a running sum of `terms` terms; `between`: a matmul
+    runs between its first add and its last."""
+    fwd = (x + x + x + x).sum()  # a chain of adds in the forward
+    if not between:
+        t3 = t3 @ w
+    s = t1 + t2
+    if between:
+        t3 = t3 @ w
+    for term in (t3, t1, t2)[: terms - 2]:
+        s = s + term
+    return fwd, s
+
+
+@pytest.mark.parametrize(("between", "terms", "made"), [(True, 4, 3), (True, 5, 4), (False, 4, 0), (True, 3, 0)])
+def test_a_running_sum_of_four_terms_spanning_a_library_call_is_written_as_it_goes(between, terms, made):
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(512, 512, generator=g) for _ in range(5)]
+    fn = functools.partial(_sums, between=between, terms=terms)
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    opaque = lambda: gm.graph.find_nodes(op="call_function", target=torch.ops.fxmem.add.default)  # noqa: E731
+    assert realize_running_sums(gm, num_fwd_outputs=1) == len(opaque()) == made
+    assert all(a.target is aten.add.Tensor for n in gm.graph.nodes if n.target is aten.sum.default for a in n.args)
+    for got, want in zip(gm(*args), fn(*args), strict=True):
+        torch.testing.assert_close(got, want)

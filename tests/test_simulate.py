@@ -497,6 +497,38 @@ def test_a_costly_value_kernels_on_both_sides_of_a_matmul_read_is_stored_in_the_
     assert [jg.storage_bytes[s] for s in jg.stored_in_forward] == [x.nbytes]  # b alone
 
 
+def test_a_gradient_summed_layer_by_layer_is_written_as_each_term_arrives(monkeypatch):
+    """A parameter every layer reads (T5's attention bias) gets its gradient as a chain of
+    adds, one term a layer. Inductor computes the chain in the kernel that reads the sum,
+    every term alive until then; made opaque adds (`cleanup.realize_running_sums`), the sum is
+    written as each term arrives: the floor falls by all but three terms (2 MiB each), the
+    prediction is the measured peak and the gradients are eager's."""
+
+    class SharedBias(nn.Module):
+        def __init__(self, layers: int = 6, n: int = 1024, d: int = 512):
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(n, d) * 0.1)
+            self.ws = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            h = x
+            for w in self.ws:
+                h = w(torch.tanh(h) + self.bias)
+            return h.square().mean()
+
+    torch.manual_seed(0)
+    model, x = SharedBias(), torch.randn(1024, 512)
+    term = model.bias.nbytes
+    seen = _capture_emits(monkeypatch)
+    got, predicted = _measured_above_floor(model, (x,))
+    assert abs(got - predicted) <= 0.005 * predicted, (got / 2**20, predicted / 2**20)
+    bw = seen[-1][3]
+    assert len(bw.graph.find_nodes(op="call_function", target=torch.ops.fxmem.add.default)) == 5
+    floor = floor_plan(model, (x,), passes=[])[0]
+    monkeypatch.setattr(partition, "realize_running_sums", lambda gm, num_fwd_outputs: 0)
+    assert floor_plan(model, (x,), passes=[])[0] >= floor + 3 * term
+
+
 def test_an_attention_masks_copy_is_written_with_the_keys_and_values_before_it():
     """An attention mask inductor copies for the call (element-wise code of one buffer) is
     written by the kernel right before the call, which copies the keys and values out of their
