@@ -27,7 +27,10 @@ comes with the batch (an HF `attention_mask`) may do so on any step: SDPA then r
 rows attending to every key, and eager's result replaces them, computed without (T, T) weights
 (`_dropped_rows`); with attention dropout it is refused. So does one made from module buffers
 and shapes that drops a row whole; one that keeps a key in every row runs as SDPA alone, and
-the compiled step checks that again whenever one of its buffers changes.
+the compiled step checks that again whenever one of its buffers changes. An additive mask
+that needs a gradient and can drop a row whole is refused (those rows pass it none). A row a
+-inf mask drops whole is NaN in eager's softmax and 0 in SDPA's: a -inf mask is taken as it
+is, such rows being a model's error rather than its padding.
 GQA's `repeat_kv` is undone and
 `enable_gqa=True` set, so the repeated keys and values are not materialised — unless that would
 leave torch no fused kernel where the repeated ones have one (CUDA in fp32: only flash attention
@@ -183,8 +186,10 @@ def _dropped_rows(out, q, k, v, scale, rows, n, t, additive):
     same comes from (x - sg(x)) terms, which are 0 and carry the gradient, with s_ij = scale
     q_i . k_j, sum_j s_ij v_j / t = scale q_i (K^T V) / t and sum_j s_ij / t = scale q_i . mean k;
     nothing (t, t) is made. A row of an additive mask that drops every key with entries not all
-    equal is not uniform in eager's softmax either: it gives NaN rather than a wrong number, as
-    does a row of -inf, as eager's softmax does.
+    equal is not uniform in eager's softmax: it gives NaN rather than a wrong number. Eager gives
+    NaN for such a row of -inf too, but where -inf sits beside finfo.min (a causal -inf mask
+    added to a padding mask of finfo.min) eager's softmax is uniform over the finfo.min keys,
+    which this does not compute: NaN there as well.
     """
     v_mean = v.mean(dim=-2, keepdim=True)
     if n > 1:  # grouped heads
@@ -347,6 +352,11 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
                 return Refusal(
                     "a finite mask that can drop every key of a row (an HF attention_mask with left "
                     "padding), with attention dropout: those rows would need eager's dropout of uniform weights"
+                )
+            if not wants_bool and mask.requires_grad:
+                return Refusal(
+                    "an additive mask that needs a gradient and can drop every key of a row: those rows, "
+                    "computed apart, pass the mask none"
                 )
             m.bindings["padded"] = True
             if not wants_bool:

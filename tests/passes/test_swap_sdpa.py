@@ -821,3 +821,16 @@ def test_keys_expanded_and_reshaped_otherwise_than_repeat_kv_stay_repeated():
     assert fired == 1 and node.kwargs["enable_gqa"] is False
     loss_err, grad_err = compare_with_eager(lambda: fn(q, k, v), lambda: run_graph(gm, ex), [q, k, v], torch.sum)
     assert loss_err < TOL and grad_err < TOL
+
+
+def test_an_additive_mask_that_needs_a_gradient_and_can_drop_rows_is_refused():
+    """The rows it drops whole are computed apart and would pass the mask no gradient."""
+    q, k, v = _qkv()
+    mask = torch.randn(B, 1, T, T, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    gm, ex, fired = _swap(additive_mask, q, k, v, mask)
+    assert fired == 0 and "needs a gradient" in swap_sdpa.refusals[0][2]
+    leaves = [q, k, v, mask]
+    loss_err, grad_err = compare_with_eager(
+        lambda: additive_mask(q, k, v, mask), lambda: run_graph(gm, ex), leaves, torch.sum
+    )
+    assert loss_err < TOL and grad_err < TOL
