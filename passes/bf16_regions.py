@@ -30,8 +30,10 @@ Numbers Dynamo took from an fp32 tensor's dtype are written into the graph as fp
 fill of `torch.finfo(scores.dtype).min` stays fp32's smallest number while the scores become
 bf16, where it rounds to -inf (a row the mask drops whole gives NaN) or does not fit
 (`masked_fill` raises). In the region fp32's largest and smallest finite numbers become bf16's,
-which autocast itself would have traced; other dtype-dependent values (`torch.zeros(...,
-dtype=h.dtype)` meeting a bf16 `h` in `index_add_`) stay as traced and raise as they would.
+which autocast itself would have traced. A tensor made in the traced dtype
+(`torch.zeros(..., dtype=h.dtype)`) into which an op writes a source the region made bf16
+(`index_add_`, `scatter_add`, `index_put`) gets its source cast to its own dtype, where aten
+would raise; it stays fp32, where autocast's trace would have made it bf16.
 """
 
 from __future__ import annotations
@@ -90,6 +92,40 @@ def _bf16_extreme(value: Any) -> Any:
     return value
 
 
+# Ops that take their source in the dtype of the tensor they write into (aten raises
+# otherwise): the source's position (self first) and name.
+_SAME_DTYPE = {
+    "index_add": (3, "source"),
+    "index_copy": (3, "source"),
+    "scatter": (3, "src"),
+    "scatter_add": (3, "src"),
+    "scatter_reduce": (3, "src"),
+    "index_put": (2, "values"),
+    "masked_scatter": (2, "source"),
+}
+
+
+def _source_as_destination(node: fx.Node) -> None:
+    """Give an op that writes a source into a tensor of another dtype the source in that dtype
+    (`type_as`, nothing where they agree): a tensor made in the model's traced dtype
+    (`torch.zeros(..., dtype=h.dtype)`) meets a source the region made bf16."""
+    at = _SAME_DTYPE.get(op_key(node).removesuffix("_"))
+    if at is None or not node.args:
+        return
+    position, name = at
+    in_args = len(node.args) > position
+    source = node.args[position] if in_args else node.kwargs.get(name)
+    if not isinstance(source, fx.Node) or not isinstance(example_value(source), torch.Tensor):
+        return
+    with node.graph.inserting_before(node):
+        cast = node.graph.call_method("type_as", (source, node.args[0]))
+    cast.meta["example_value"] = example_value(source)
+    if in_args:
+        node.args = (*node.args[:position], cast, *node.args[position + 1 :])
+    else:
+        node.kwargs = {**node.kwargs, name: cast}
+
+
 def guard(gm: fx.GraphModule) -> Refusal | None:
     if any(getattr(n.target, "__name__", "") == "_enter_autocast" for n in gm.graph.nodes):
         return Refusal("the model already enters autocast")
@@ -127,6 +163,7 @@ def bf16_regions(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tupl
     for node in nodes:
         if node.op in ("call_function", "call_method"):
             node.args, node.kwargs = fx.node.map_aggregate((node.args, node.kwargs), _bf16_extreme)
+            _source_as_destination(node)
     lowered = sum(op_key(n) in _LOWERED for n in nodes)
     graph.lint()
     gm.recompile()

@@ -131,3 +131,31 @@ def test_a_fill_taken_from_the_scores_dtype_is_bf16s_in_the_region(form):
     gm, fired = bf16_regions(gm, ex)
     got = run_graph(gm, ex)
     assert fired == 3 and torch.isfinite(got) and torch.equal(got, want.float())
+
+
+class _Combine(torch.nn.Module):
+    """A mixture-of-experts combine: rows summed into a tensor made in the rows' traced dtype."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.lin = torch.nn.Linear(c, c)
+
+    def forward(self, x, idx):
+        h = self.lin(x)
+        out = torch.zeros(4, h.shape[1], dtype=h.dtype).index_add_(0, idx, h)
+        spread = torch.zeros(4, h.shape[1], dtype=h.dtype).scatter_add(0, idx[:, None].expand_as(h), h)
+        return (out * spread).sum()
+
+
+def test_a_source_the_region_makes_bf16_is_written_into_a_tensor_of_the_traced_dtype():
+    """`index_add_` and `scatter_add` raise for a bf16 source and an fp32 destination; the region
+    casts the source to the destination's dtype, as close to autocast as its rounding."""
+    torch.manual_seed(0)
+    model, x, idx = _Combine(), torch.randn(6, 16), torch.tensor([0, 1, 2, 3, 0, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, idx).float()
+    gm, ex = capture(model, x, idx)
+    gm, fired = bf16_regions(gm, ex)
+    got = run_graph(gm, ex)
+    assert fired == 1 and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0.0)
