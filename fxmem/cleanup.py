@@ -126,16 +126,15 @@ def realize_running_sums(gm: fx.GraphModule, num_fwd_outputs: int) -> int:
         """The add of the chain before `node`: an argument that is a link read only by it."""
         return next((a for a in node.args if isinstance(a, fx.Node) and link(a) and len(a.users) == 1), None)
 
-    ends = [
-        n
-        for n in graph.nodes
-        if link(n) and not (len(n.users) == 1 and link(u := next(iter(n.users))) and before(u) is n)
-    ]
     made = 0
-    for end in ends:
+    seen: set[fx.Node] = set()
+    for end in reversed(graph.nodes):  # a chain's last add comes first
+        if end in seen or not link(end):
+            continue
         chain = [end]
         while (prev := before(chain[-1])) is not None:
             chain.append(prev)
+        seen.update(chain)
         if len(chain) < _MIN_RUNNING_SUM_ADDS or not kernels.any_between(calls, order[chain[-1]], order[end]):
             continue
         for node in chain:

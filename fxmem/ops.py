@@ -220,7 +220,8 @@ def written_in_place(node: fx.Node) -> list[fx.Node]:
     """The tensors `node` (of a Dynamo graph) writes in place: its first argument for an
     in-place op (`x.add_(y)`, `x += y`, `x[i] = y`, `F.relu(x, True)`, each of the lists of
     `torch._foreach_mul_`), the arguments the aten schemas of a builtin or overload mark
-    written (`torch._amp_update_scale_`), a batch norm's running statistics, and `out=`."""
+    written (`torch._amp_update_scale_`), what a flag makes a function write (a batch norm's
+    running statistics), and `out=`."""
     if node.op not in ("call_function", "call_method"):
         return []
     target = node.target
@@ -243,7 +244,7 @@ def written_in_place(node: fx.Node) -> list[fx.Node]:
     if node.op == "call_method" or _is_builtin(target):
         # a method's self is its first argument, as in aten
         written += [_argument(node, i, arg) for i, arg in _aten_writes("aten::" + name)]
-    written += _statistics_written(node)
+    written += _flagged_writes(node)
     return list(dict.fromkeys(_nodes(written)))
 
 
@@ -275,10 +276,10 @@ def _aten_writes(name: str) -> tuple[tuple[int | None, str], ...]:
     )
 
 
-def _argument(node: fx.Node, position: int | None, name: str) -> Any:
+def _argument(node: fx.Node, position: int | None, name: str, default: Any = None) -> Any:
     if position is not None and position < len(node.args):
         return node.args[position]
-    return node.kwargs.get(name)
+    return node.kwargs.get(name, default)
 
 
 def _schema_written(node: fx.Node, op: torch._ops.OpOverload) -> list[Any]:
@@ -289,57 +290,29 @@ def _schema_written(node: fx.Node, op: torch._ops.OpOverload) -> list[Any]:
     ]
 
 
-# Functions that update running statistics in place when a flag says so: (flag, its default,
-# the statistics). aten's composite batch_norm schema does not mark these writes.
-_STATISTICS = {
-    F.batch_norm: ("training", False, ("running_mean", "running_var")),
-    torch.batch_norm: ("training", None, ("running_mean", "running_var")),
-    F.instance_norm: ("use_input_stats", True, ("running_mean", "running_var")),
-    torch.instance_norm: ("use_input_stats", None, ("running_mean", "running_var")),
+# Functions that write arguments in place when a flag says so, which aten's composite schemas
+# do not mark: the flag (position, name, default; the writes happen unless it is False or
+# None) and what is written (position, name). A batch or instance norm updates its running
+# statistics; embedding and embedding_bag renormalise their weight under `max_norm`.
+_STATISTICS = ((1, "running_mean"), (2, "running_var"))
+_BUILTIN_STATISTICS = ((3, "running_mean"), (4, "running_var"))
+_FLAGGED_WRITES = {
+    F.batch_norm: ((5, "training", False), _STATISTICS),
+    torch.batch_norm: ((5, "training", True), _BUILTIN_STATISTICS),
+    F.instance_norm: ((5, "use_input_stats", True), _STATISTICS),
+    torch.instance_norm: ((5, "use_input_stats", True), _BUILTIN_STATISTICS),
+    F.embedding: ((3, "max_norm", None), ((1, "weight"),)),
+    F.embedding_bag: ((3, "max_norm", None), ((1, "weight"),)),
 }
-_BUILTIN_POSITIONS = {
-    # torch.batch_norm / torch.instance_norm(input, weight, bias, running_mean, running_var, flag, ...)
-    "running_mean": 3,
-    "running_var": 4,
-    "flag": 5,
-}
 
 
-def _statistics_written(node: fx.Node) -> list[Any]:
-    """A batch or instance norm's running statistics, when it updates them; `F.embedding`'s
-    and `F.embedding_bag`'s weight, which they renormalise in place when given `max_norm`."""
-    if node.op != "call_function":
+def _flagged_writes(node: fx.Node) -> list[Any]:
+    entry = _FLAGGED_WRITES.get(node.target) if node.op == "call_function" else None
+    if entry is None:
         return []
-    target = node.target
-    if target in (F.embedding, F.embedding_bag):
-        bound = _bind(node)
-        return [bound.get("weight")] if bound is not None and bound.get("max_norm") is not None else []
-    if target not in _STATISTICS:
-        return []
-    flag, default, names = _STATISTICS[target]
-    if _is_builtin(target):
-        at = _BUILTIN_POSITIONS
-        on = node.args[at["flag"]] if len(node.args) > at["flag"] else node.kwargs.get(flag, default)
-        stats = [node.args[at[n]] if len(node.args) > at[n] else node.kwargs.get(n) for n in names]
-    else:
-        bound = _bind(node)
-        if bound is None:
-            return list(node.args[1:3])  # cannot tell: count (input, running_mean, running_var, ...) written
-        on = bound.get(flag, default)
-        stats = [bound.get(n) for n in names]
-    return stats if on is not False else []
-
-
-def _bind(node: fx.Node) -> dict[str, Any] | None:
-    signature = _signature(node.target)
-    if signature is None:
-        return None
-    try:
-        bound = signature.bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return dict(bound.arguments)
+    (position, name, default), written = entry
+    flag = _argument(node, position, name, default)
+    return [] if flag is False or flag is None else [_argument(node, i, n) for i, n in written]
 
 
 def _inplace_flag(node: fx.Node) -> bool:

@@ -57,7 +57,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxmem import _torch_private, constants
-from fxmem.ops import example_value, op_key, static_int, storage_of, written_in_place
+from fxmem.ops import example_value, op_key, static_int, storage_of, storages_written
 from fxmem.rules import Match, Refusal, Rule, RulePass
 
 __all__ = ["swap_sdpa"]
@@ -268,17 +268,6 @@ def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:
     return base, shape[1] // h_kv
 
 
-def _written_later(out: fx.Node) -> bool:
-    """Whether a node after `out` writes its value (or a view of it) in place."""
-    storage = storage_of(out)
-    node = out.next
-    while node.op != "output":
-        if any(w is out or storage_of(w) == storage for w in written_in_place(node)):
-            return True
-        node = node.next
-    return False
-
-
 def _any_row_dropped(mask: torch.Tensor, masked: bool) -> bool:
     """Whether `mask` drops every key of some row: where it is True (`masked`) or False (a
     keep-mask), or, additive, at most half of the most negative finite value."""
@@ -327,7 +316,7 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
             # only where the sum rounds to the fill (finfo.min) or it is -inf.
             return Refusal(f"the mask fill {fill} replaces scores, which an additive mask cannot")
         m.bindings["fill"] = fill
-    if _written_later(m.output):
+    if storage_of(m.output) in storages_written(m.output.graph):  # made by the match: written after it
         # Eager's matmul saves its inputs; SDPA's backward reads its own output as well.
         return Refusal("the attention's output is written in place later")
     mask = m.val("mask") if "mask" in m.bindings else None
@@ -336,7 +325,8 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
         if not isinstance(mask, torch.Tensor):
             return Refusal("the mask is not a tensor")
         scores = (*q.shape[:-1], k.shape[-2])
-        if mask.ndim < 2 or mask.ndim > 4 or torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
+        # (The graph traced, so the mask broadcasts with the scores: the question is whether it enlarges them.)
+        if not 2 <= mask.ndim <= 4 or torch.broadcast_shapes(mask.shape, scores) != torch.Size(scores):
             return Refusal(f"the mask's shape {tuple(mask.shape)} does not broadcast to the scores' {scores}")
         wants_bool = "fill" in m.bindings
         if wants_bool != (mask.dtype == torch.bool):
