@@ -40,16 +40,14 @@ import torch
 import torch.fx as fx
 
 from fxmem.constants import capture_inputs
+from fxmem.modes import after_switch, modes_at, switches_mode
 from fxmem.ops import (
     COMMUTATIVE,
-    after_switch,
     canonical_args,
     example_value,
     is_identity,
-    modes_at,
     op_key,
     storage_of,
-    switches_mode,
     writes_in_place,
     written_in_place,
 )

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from _graphs import calls, capture, run_graph
 
-from fxmem.ops import modes_at
+from fxmem.modes import modes_at
 from fxmem.pipeline import PASSES, default_passes, run_passes
 from fxmem.rules import Match, Refusal, Rule, RulePass, call_leaf, erase_unused, insert_call, match
 
