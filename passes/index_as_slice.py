@@ -16,8 +16,11 @@ broadcasting matmul reads — Falcon's attention with one key/value head, 5e-2 r
 in the fused projection's weight gradient — and right ones for the slice.
 
 Refused where a view would change what the program computes: the source or the indexed
-value (or a view of either) is written in place anywhere in the graph, or the indexed value
-is returned (the caller would get a view of the source where it had a fresh tensor).
+value (or a view of either) is written in place anywhere in the graph, the indexed value
+is returned (the caller would get a view of the source where it had a fresh tensor), or the
+source is the caller's (an input, a parameter or a buffer: autograd would save a view of it,
+and the caller writing it before `backward()` would then raise, or change the gradients,
+where the copy saved before did not see the write).
 """
 
 from __future__ import annotations
@@ -72,18 +75,20 @@ def _slice_for(index: Any, shape: Sequence[Any]) -> tuple[tuple[Any, ...] | None
     return tuple(entries), ""
 
 
-def _written_and_returned(graph: fx.Graph) -> tuple[set[int | None], set[int | None]]:
-    """The storages the graph writes in place, and those it returns."""
+_Storages = tuple[set[int | None], set[int | None], set[int | None]]
+
+
+def _storages(graph: fx.Graph) -> _Storages:
+    """The storages the graph writes in place, those it returns, and the caller's it reads."""
     written = storages_written(graph)
     output = next(iter(graph.find_nodes(op="output")))
-    return written, {storage_of(n) for n in output.all_input_nodes}
+    callers = {storage_of(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+    return written, {storage_of(n) for n in output.all_input_nodes}, callers
 
 
-def as_slice(
-    node: fx.Node, written_and_returned: tuple[set[int | None], set[int | None]] | None = None
-) -> tuple[Any, ...] | Refusal:
+def as_slice(node: fx.Node, storages: _Storages | None = None) -> tuple[Any, ...] | Refusal:
     """The slice index that `node` (a getitem with a list index) can read as, or why not.
-    `written_and_returned`: its graph's, from `_written_and_returned` (found when not given)."""
+    `storages`: its graph's, from `_storages` (found when not given)."""
     source = node.args[0]
     val = example_value(source)
     if not isinstance(val, torch.Tensor) or not isinstance(example_value(node), torch.Tensor):
@@ -91,11 +96,13 @@ def as_slice(
     index, why = _slice_for(node.args[1], val.shape)
     if index is None:
         return Refusal(why)
-    written, returned = written_and_returned or _written_and_returned(node.graph)
+    written, returned, callers = storages or _storages(node.graph)
     if {storage_of(source), storage_of(node)} & written:
         return Refusal("the source or the indexed value is written in place")
     if storage_of(node) in returned:
         return Refusal("the indexed value is returned")
+    if storage_of(source) in callers:
+        return Refusal("the source is the caller's")
     return index
 
 
@@ -103,13 +110,13 @@ def index_as_slice(gm: fx.GraphModule, example_inputs: Sequence[Any] = ()) -> tu
     """Rewrite every constant consecutive list index of the graph as a slice."""
     fired = 0
     # once: a rewrite turns only its own node into a view, and no written or returned one is rewritten
-    written_and_returned = _written_and_returned(gm.graph)
+    storages = _storages(gm.graph)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
             continue
         if not isinstance(node.args[0], fx.Node) or not isinstance(node.args[1], (tuple, list)):
             continue
-        index = as_slice(node, written_and_returned)
+        index = as_slice(node, storages)
         if isinstance(index, Refusal):
             log.debug("index_as_slice refused at %s: %s", node.name, index.reason)
             continue

@@ -53,7 +53,7 @@ def test_forms_become_slices_with_eagers_values(form):
     w = torch.randn_like(pick(x))
 
     def f(x):
-        return pick(x) * w
+        return pick(x * 2) * w  # of an activation: the caller's own tensors are refused
 
     gm, ex = capture(f, x)
     gm, fired = index_as_slice(gm, ex)
@@ -67,6 +67,7 @@ def test_forms_become_slices_with_eagers_values(form):
 
 def _multi_query(x, q):
     """Falcon's split of a fused q/k/v with one key/value head, then attention scores."""
+    x = x * 2  # the fused projection's output
     k = x[..., [-2], :].transpose(1, 2)  # (B, 1, T, D), broadcast over q's heads
     v = x[..., [-1], :].transpose(1, 2)
     return (torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v).square().sum()
@@ -113,6 +114,32 @@ def test_falcon_end_to_end():
     assert grad_err(grads_of(model), ref) < 1e-4
 
 
+def test_the_caller_may_write_its_input_between_forward_and_backward():
+    """Eager saves the list index's copy; a slice of the input saved instead would see the write."""
+
+    class Pick(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(D, D, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, x):
+            return (x[:, [1, 2, 3]] @ self.w).square().sum()
+
+    model, x0 = Pick(), torch.randn(B, T, D)
+
+    def step_then_write(m):
+        x = x0.clone()
+        loss = m(x)
+        x.add_(1)
+        loss.backward()
+        return model.w.grad
+
+    ref = step_then_write(model).clone()
+    model.w.grad = None
+    got = step_then_write(fxmem.optimize(model, 1.0))  # inductor
+    assert torch.allclose(got, ref, rtol=TOL, atol=TOL)
+
+
 # --- refusals ---------------------------------------------------------------------------------------
 
 
@@ -139,6 +166,7 @@ REFUSED = {
     "source-written": (_written_after, "written in place"),
     "index-written": (_written_index, "written in place"),
     "returned": (_returns_view, "returned"),
+    "callers-input": (lambda x: (x[..., [1], :] * 2).sum(), "the caller's"),
 }
 
 
