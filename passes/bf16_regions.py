@@ -23,8 +23,10 @@ returned, so callers see the same types. Runs last: it wraps the graph the other
 
 Tolerance: a bf16 step is not fp32's. tests/passes/test_bf16_regions.py trains the small GPT
 for a few steps both ways and bounds the loss difference (see there for the measured value).
-Refuses graphs that already enter autocast (the model chose its own precision) and graphs
-without a matmul-like op (nothing to gain).
+Refuses graphs that already enter autocast (the model chose its own precision), graphs
+without a matmul-like op (nothing to gain) and graphs whose matmul-like ops run on more than
+one device type. The autocast entered is that of the device the matmul-like ops run on (an
+index tensor on the CPU beside a model on CUDA does not decide it).
 
 Numbers Dynamo took from an fp32 tensor's dtype are written into the graph as fp32's: a mask
 fill of `torch.finfo(scores.dtype).min` stays fp32's smallest number while the scores become
@@ -68,15 +70,22 @@ _LOWERED = {
 }
 
 
+def _device_types(gm: fx.GraphModule) -> set[str]:
+    """The device types the graph's matmul-like ops run on: the autocast to enter."""
+    return {
+        v.device.type
+        for n in gm.graph.nodes
+        if op_key(n) in _LOWERED
+        for a in n.all_input_nodes
+        if isinstance(v := example_value(a), torch.Tensor)
+    }
+
+
 def _device_type(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            return t.device.type
-    for n in gm.graph.nodes:
-        v = example_value(n)
-        if isinstance(v, torch.Tensor):
-            return v.device.type
-    return "cpu"
+    (found,) = _device_types(gm) or {
+        next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+    }
+    return found
 
 
 _FP32, _BF16 = torch.finfo(torch.float32), torch.finfo(torch.bfloat16)
@@ -131,6 +140,8 @@ def guard(gm: fx.GraphModule) -> Refusal | None:
         return Refusal("the model already enters autocast")
     if not any(op_key(n) in _LOWERED for n in gm.graph.nodes):
         return Refusal("no matmul, convolution or attention to run in bf16")
+    if len(_device_types(gm)) > 1:
+        return Refusal("matmuls on more than one device type")
     return None
 
 

@@ -159,3 +159,23 @@ def test_a_source_the_region_makes_bf16_is_written_into_a_tensor_of_the_traced_d
     got = run_graph(gm, ex)
     assert fired == 1 and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=0.0)
+
+
+def _on_two_devices(other, x, w, matmul_there):
+    """A matmul on the CPU beside a tensor on another device (meta), read first: the graph's
+    first input."""
+    there = (other @ other.T if matmul_there else other * 2).sum()
+    return (x @ w).sum(), there
+
+
+def test_the_autocast_entered_is_that_of_the_device_the_matmuls_run_on():
+    other, x, w = torch.randn(3, 2, device="meta"), torch.randn(2, 8), torch.randn(8, 8, requires_grad=True)
+    gm, ex = capture(lambda *a: _on_two_devices(*a, matmul_there=False), other, x, w)
+    assert ex[0].device.type == "meta"
+    gm, fired = bf16_regions(gm, ex)
+    (enter,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "_enter_autocast"]
+    assert fired == 1 and enter.args[0] == "cpu"
+    gm, ex = capture(lambda *a: _on_two_devices(*a, matmul_there=True), other, x, w)
+    before = gm.code
+    gm, fired = bf16_regions(gm, ex)
+    assert fired == 0 and gm.code == before
