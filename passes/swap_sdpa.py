@@ -235,15 +235,19 @@ def _attend(mask, fill):
 
 
 def _scalar(value):
-    """A number, or a 0-d `torch.full`/`torch.tensor` node of a number (HF's mask and scale values)."""
+    """A number, or a 0-d `torch.full`/`torch.tensor` node of a number (HF's mask and scale
+    values) as its dtype holds it (a scale of 11.3137 made in bf16 divides by 11.3125)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if isinstance(value, fx.Node) and value.op == "call_function":
-        if value.target is torch.full and tuple(value.args[0]) == () and isinstance(value.args[1], (int, float)):
-            return float(value.args[1])
-        if value.target is torch.tensor and isinstance(value.args[0], (int, float)):
-            return float(value.args[0])
-    return None
+    if not (isinstance(value, fx.Node) and value.op == "call_function"):
+        return None
+    if value.target is torch.full and tuple(value.args[0]) == () and isinstance(value.args[1], (int, float)):
+        number = value.args[1]
+    elif value.target is torch.tensor and isinstance(value.args[0], (int, float)):
+        number = value.args[0]
+    else:
+        return None
+    return float(torch.tensor(number, dtype=value.kwargs.get("dtype")).item())
 
 
 def _unrepeat(kv: fx.Node) -> tuple[fx.Node, int] | None:

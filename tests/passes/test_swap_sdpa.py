@@ -430,6 +430,14 @@ def test_scale_from_a_tensor_is_refused():
     assert fired == 0
 
 
+def test_a_scale_made_in_a_narrower_dtype_divides_by_the_value_that_dtype_holds():
+    def fn(q, k, v):
+        scale = torch.full([], math.sqrt(D) * 1.01, dtype=torch.bfloat16)  # 2.8567 in bf16: 2.859375
+        return F.softmax((q @ k.transpose(-2, -1)) / scale, dim=-1) @ v
+
+    _check(fn, *_qkv())
+
+
 def test_softmax_over_another_dim_is_not_attention():
     def fn(q, k, v):
         return F.softmax((q @ k.transpose(-2, -1)) * D**-0.5, dim=-2) @ v
