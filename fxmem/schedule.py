@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import heapq
 
+from fxmem.buffers import is_heavy
 from fxmem.graph import BWD, FWD, JointGraph
+from fxmem.kernels import op_name
+from fxmem.nodes import one_element
 
 __all__ = ["InfeasibleSave", "as_realized", "backward_order", "kernel_ends", "outputs_made_at"]
 
@@ -117,12 +120,16 @@ def backward_order(jg: JointGraph, saved: list[bool]) -> tuple[list[int], list[i
 def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
     """The order a fusing compiler runs the steps from `start` on, given the graph in `order`.
 
-    Inductor writes an element-wise value where the graph has it when several ops read it; a
-    value whose one reader is a library call (a convolution's or a matmul's input, read
-    directly or through views) it computes only when it gets to that call, right before it.
-    In between, what the value is computed from stays alive, and a recomputation placed there
-    (a convolution the backward runs again) runs beside it. Such a value's step, and its
-    views', move to just before that call.
+    Inductor computes an element-wise value that only library calls read (a convolution's or a
+    matmul's input, read directly or through views) when it gets to the first of them, right
+    before it, and the later ones read that buffer. In between, what the value is computed from
+    stays alive, and a recomputation placed there (a convolution the backward runs again) runs
+    beside it. Such a value's step, and its views', move to just before that call. Read by
+    several, a value is written where it stands when an element-wise op reads it too, when a
+    matmul (`mm`) or convolution reading it fixes its layout, or when its code loads more than
+    one buffer or applies a heavy op (inductor's `realize_hint` and `should_realize_on_reuse`):
+    a chunk of T5's queries, scaled, read by the scores' batched matmul and again by the keys'
+    gradient, moves; rotary-embedded queries stay.
     """
     pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
     later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
@@ -134,9 +141,11 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
         holders = [j for j in jg.storage_nodes[s] if j in pos]
         readers = [[u for u in jg.users[j] if u in pos] for j in holders]
         outside = [u for us in readers for u in us if jg.storage[u] != s]
-        if len(outside) != 1 or jg.fusible[outside[0]] or any(len(us) > 1 for us in readers):
-            continue  # read by several: inductor writes it where it stands
-        call = pos[outside[0]]
+        if not outside or any(jg.fusible[u] for u in outside):
+            continue
+        if (len(outside) > 1 or any(len(us) > 1 for us in readers)) and _realized_where_it_stands(jg, i, readers):
+            continue
+        call = min(pos[u] for u in outside)
         if call > t + 1:
             later.setdefault(call, []).extend(pos[j] for j in holders if t <= pos[j] < call)
     if not later:
@@ -150,6 +159,42 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
         if t not in moved:
             out.append(order[t])
     return out
+
+
+# Library calls that fix the layout of an input several ops read, which writes it where it
+# stands (inductor's `need_fixed_layout`); the convolution's only where it does not pick
+# layouts itself, so counted always.
+_FIXING_LAYOUT = {"mm", "_int_mm", "convolution", "convolution_backward"}
+
+
+def _realized_where_it_stands(jg: JointGraph, i: int, readers: list[list[int]]) -> bool:
+    """Whether inductor writes node `i`, read by several, where it stands: a value or view of it
+    several ops read, one a matmul (`mm`) or convolution, whose layout that fixes; or element-wise
+    code (with the unstored values it computes inline) that applies a heavy op or loads more
+    than one buffer (a one-element value is read as a scalar)."""
+    if any(len(us) > 1 and any(op_name(jg.nodes[u]) in _FIXING_LAYOUT for u in us) for us in readers):
+        return True
+    loaded: set[int] = set()
+    seen: set[int] = set()
+    stack = [i]
+    while stack:
+        k = stack.pop()
+        if k in seen:
+            continue
+        seen.add(k)
+        if is_heavy(jg.nodes[k]):
+            return True
+        for j in jg.inputs[k]:
+            s = jg.storage[j]
+            if s < 0 or one_element(jg.nodes[j]):
+                continue
+            if jg.materialized[s] or not jg.inlinable[j]:
+                loaded.add(s)
+            else:
+                stack.append(j)
+        if len(loaded) > 1:
+            return True
+    return False
 
 
 def outputs_made_at(jg: JointGraph, order: list[int]) -> dict[int, list[int]]:

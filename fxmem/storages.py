@@ -8,6 +8,7 @@ update are not what a recomputation after it would read.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from typing import Any
 
@@ -75,16 +76,33 @@ def _merge_view_storages(
 
     Graph passes that rebuild a node (inductor's joint-graph passes, for one) can leave a view
     with a fake value of its own storage: `expand(div)` then looks like a second copy of `div`,
-    and a plan saving both would be charged twice for memory that exists once.
+    and a plan saving both would be charged twice for memory that exists once. So too the parts
+    of a multi-output view (`split`) whose fake values were not made again with it: a chunk of
+    T5's keys, apart from the keys, let them die before the chunk's last reader.
     """
     index = {n: i for i, n in enumerate(nodes)}
     pairs = []
     for i, n in enumerate(nodes):
-        base = aliased_input(n) if n.op == "call_function" else None
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            base = _parts_view_of(n.args[0])  # one part of a multi-output view (`split`, `unbind`)
+        else:
+            base = aliased_input(n) if n.op == "call_function" else None
         j = index.get(base) if base is not None else None
         if j is not None and storage[i] >= 0 and storage[j] >= 0:
             pairs.append((storage[j], storage[i]))
     return _merged(pairs, storage, storage_bytes)
+
+
+def _parts_view_of(node: fx.Node) -> fx.Node | None:
+    """The input whose views a multi-output op returns (`split(Tensor(a -> *) self) ->
+    Tensor(a)[]`), or None."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    alias = schema.arguments[0].alias_info
+    if alias is None or alias.is_write or "*" not in alias.after_set:
+        return None
+    return node.args[0]
 
 
 # Library matmuls whose output inductor writes straight into the buffer of a concatenation
