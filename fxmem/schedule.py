@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 
-from fxmem.buffers import is_heavy
 from fxmem.graph import BWD, FWD, JointGraph
 from fxmem.kernels import op_name
 from fxmem.nodes import one_element
@@ -182,7 +181,7 @@ def _realized_where_it_stands(jg: JointGraph, i: int, readers: list[list[int]]) 
         if k in seen:
             continue
         seen.add(k)
-        if is_heavy(jg.nodes[k]):
+        if jg.heavy[k]:
             return True
         for j in jg.inputs[k]:
             s = jg.storage[j]
