@@ -132,17 +132,18 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
     """
     pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
     later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
+    outputs = {jg.storage[o] for o in jg.bwd_outputs}
     for i in jg.written_by_readers:
         t = pos.get(i)
-        if t is None:
-            continue
         s = jg.storage[i]
+        if t is None or s in outputs:  # a gradient is written where it stands, as the graph returns it
+            continue
         holders = [j for j in jg.storage_nodes[s] if j in pos]
         readers = [[u for u in jg.users[j] if u in pos] for j in holders]
         outside = [u for us in readers for u in us if jg.storage[u] != s]
         if not outside or any(jg.fusible[u] for u in outside):
             continue
-        if (len(outside) > 1 or any(len(us) > 1 for us in readers)) and _realized_where_it_stands(jg, i, readers):
+        if (len(outside) > 1 or any(len(us) > 1 for us in readers)) and _realized_where_it_stands(jg, i, readers, pos):
             continue
         call = min(pos[u] for u in outside)
         if call > t + 1:
@@ -166,11 +167,13 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
 _FIXING_LAYOUT = {"mm", "_int_mm", "convolution", "convolution_backward"}
 
 
-def _realized_where_it_stands(jg: JointGraph, i: int, readers: list[list[int]]) -> bool:
+def _realized_where_it_stands(jg: JointGraph, i: int, readers: list[list[int]], pos: dict[int, int]) -> bool:
     """Whether inductor writes node `i`, read by several, where it stands: a value or view of it
     several ops read, one a matmul (`mm`) or convolution, whose layout that fixes; or element-wise
-    code (with the unstored values it computes inline) that applies a heavy op or loads more
-    than one buffer (a one-element value is read as a scalar)."""
+    code (with the unstored values it computes inline) that applies a heavy op or makes more
+    than one load. A load is a buffer read one way: two views of one buffer are two loads; a
+    value the forward saved (not in `pos`, the backward's steps) is one; a one-element value
+    is read as a scalar."""
     if any(len(us) > 1 and any(op_name(jg.nodes[u]) in _FIXING_LAYOUT for u in us) for us in readers):
         return True
     loaded: set[int] = set()
@@ -187,8 +190,8 @@ def _realized_where_it_stands(jg: JointGraph, i: int, readers: list[list[int]]) 
             s = jg.storage[j]
             if s < 0 or one_element(jg.nodes[j]):
                 continue
-            if jg.materialized[s] or not jg.inlinable[j]:
-                loaded.add(s)
+            if jg.materialized[s] or not jg.inlinable[j] or j not in pos:
+                loaded.add(j)
             else:
                 stack.append(j)
         if len(loaded) > 1:

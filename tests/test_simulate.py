@@ -23,7 +23,7 @@ from fxmem import cost, partition, planner, walks
 from fxmem.buffers import materialized_storages, store_reused, stored_on_reuse
 from fxmem.graph import BWD, JointGraph
 from fxmem.in_place import reads_in_place
-from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops
+from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops, op_name
 from fxmem.kernels import layout as value_layout
 from fxmem.nodes import _is_impure, _is_random, aliased_input
 from fxmem.pipeline import default_passes
@@ -1546,3 +1546,83 @@ def test_a_chunk_two_matmuls_read_is_computed_right_before_the_first(monkeypatch
         assert all(j in late or is_view_op(jg.nodes[j]) for j in between), [jg.nodes[j].name for j in between]
         moved += len(calls) > 1
     assert moved
+
+
+def _backward_with_first(jg: JointGraph, saved: list[bool], name: str) -> tuple[list[int], int]:
+    """The whole graph's order with the backward step `name` right after what it needs and
+    everything that does not need it before what does; and that step's position."""
+    bwd, _ = backward_order(jg, saved)
+    i = next(k for k, n in enumerate(jg.nodes) if n.name == name)
+    needs, needed, stack = {i}, set(), [i]
+    for k in bwd:
+        if any(j in needs for j in jg.inputs[k]):
+            needs.add(k)
+    while stack:
+        for j in jg.inputs[stack.pop()]:
+            if j in bwd and j not in needed:
+                needed.add(j)
+                stack.append(j)
+    rest = [k for k in bwd if k not in needed and k not in needs]
+    steps = [k for k in bwd if k in needed] + [i] + rest + [k for k in bwd if k in needs and k != i]
+    head = jg.forward_nodes + jg.tangent_nodes
+    between = [k for k in rest if not is_view_op(jg.nodes[k])]
+    assert between, "nothing to run between the step and its readers: the check could not fail"
+    return head + steps, len(head) + len(needed)
+
+
+def _bmm_graph(monkeypatch, model, batch, unsaved=()):
+    """`model`'s joint graph, and which of its forward values are saved: all but `unsaved`."""
+    seen = _capture_emits(monkeypatch)
+    fxmem.optimize(model, 1.0, passes=[])(*batch).backward()
+    jg = seen[-1][0]
+    saved = [k in jg.forward_nodes and jg.nodes[k].name not in unsaved for k in range(len(jg.nodes))]
+    return jg, saved
+
+
+def test_a_gradient_library_calls_read_is_written_where_it_stands(monkeypatch):
+    """A gradient the backward returns and batched matmuls read (the gradients of `w` and of
+    `x`'s branch read the bias's): inductor writes a value the graph returns where it stands.
+    Counted as computed right before the first matmul, it moved past what ran in between."""
+
+    class Biased(nn.Module):
+        def __init__(self, b: int = 4, t: int = 16, d: int = 8):
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(b, t, d))
+            self.w = nn.Parameter(torch.randn(b, d, d))
+
+        def forward(self, x):
+            z = torch.bmm(torch.tanh(x), self.w) + self.bias
+            return z.sum() + z.mean()
+
+    jg, saved = _bmm_graph(monkeypatch, Biased(), (torch.randn(4, 16, 8, requires_grad=True),))
+    grad = next(i for i in jg.bwd_outputs if jg.nodes[i].target is torch.ops.aten.add.Tensor)
+    assert grad in jg.written_by_readers
+    assert {op_name(jg.nodes[u]) for u in jg.users[grad]} == {"bmm"}
+    order, t = _backward_with_first(jg, saved, jg.nodes[grad].name)
+    assert as_realized(jg, order, len(jg.forward_nodes))[t] == grad
+
+
+def test_a_value_loading_two_views_of_one_buffer_is_written_where_it_stands(monkeypatch):
+    """A gated value, the product of a matmul's two halves, recomputed in the backward and
+    read there by two batched matmuls: its code loads the one buffer at two places, two
+    loads, so inductor writes it where it stands (`realize_hint`). Counted by buffer, one
+    load, it moved to right before the first matmul."""
+    b, t, d = 4, 16, 8
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(b, d, 2 * d))
+            self.a, self.c = nn.Parameter(torch.randn(b, d, d)), nn.Parameter(torch.randn(b, d, d))
+
+        def forward(self, x):
+            h1, h2 = torch.bmm(x, self.w).chunk(2, -1)
+            u = h1 * h2
+            return (torch.bmm(u, self.a) * torch.bmm(u, self.c)).mean()
+
+    jg, saved = _bmm_graph(monkeypatch, Gated(), (torch.randn(b, t, d),), unsaved=("mul", "bmm_1", "bmm_2"))
+    (u,) = [i for i, n in enumerate(jg.nodes) if n.name == "mul"]
+    assert u in jg.written_by_readers
+    assert len(jg.inputs[u]) == 2 and len({jg.storage[j] for j in jg.inputs[u]}) == 1  # the halves
+    order, t = _backward_with_first(jg, saved, "mul")
+    assert as_realized(jg, order, len(jg.forward_nodes))[t] == u
