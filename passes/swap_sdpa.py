@@ -174,9 +174,10 @@ def _sdpa(q, k, v, mask, scale, p, training, gqa, causal=False, dropped=None, pa
     return out if rows is None else _dropped_rows(out, q, k, v, scale, rows, *padded, additive)
 
 
-def _dropped_rows(out, q, k, v, scale, rows, n, t, additive):
+def _dropped_rows(out, q, k, v, scale, rows, n, t, wide, additive):
     """`out` (SDPA's) on the rows the mask keeps a key of; eager's attention on `rows`, which it
-    drops whole: `n` heads per key head, `t` keys.
+    drops whole: `n` heads per key head, `t` keys; `wide`, the dtype the added mask's gradient
+    terms are computed in (None: q's).
 
     There every score is replaced by the fill (masked_fill, where) or plus the mask rounds to it
     (an `additive` mask of finfo.min), so eager's softmax is uniform and the row's output is the
@@ -189,13 +190,17 @@ def _dropped_rows(out, q, k, v, scale, rows, n, t, additive):
     equal is not uniform in eager's softmax: it gives NaN rather than a wrong number. Eager gives
     NaN for such a row of -inf too, but where -inf sits beside finfo.min (a causal -inf mask
     added to a padding mask of finfo.min) eager's softmax is uniform over the finfo.min keys,
-    which this does not compute: NaN there as well.
+    which this does not compute: NaN there as well. K^T V has no bound eager's attention keeps
+    under (eager never forms it): in fp16 it can overflow where eager's scores and outputs do not,
+    and the terms, 0 in value, would be NaN, so fp16 computes them in fp32.
     """
     v_mean = v.mean(dim=-2, keepdim=True)
     if n > 1:  # grouped heads
         v_mean = v_mean.repeat_interleave(n, dim=1)
     uniform = v_mean
     if additive is not None:
+        if wide is not None:
+            q, k, v = q.to(wide), k.to(wide), v.to(wide)
         kv = torch.matmul(k.transpose(-2, -1), v.detach())  # (B, key heads, D, Dv)
         k_mean = k.mean(dim=-2, keepdim=True)
         if n > 1:
@@ -365,11 +370,12 @@ def guard(m: Match, masked: bool = False) -> Refusal | None:
     repeated = ks is not None and vs is not None and ks[1] == vs[1] and ks[1] > 1
     if repeated and _grouped_stays_fused(m, q, example_value(ks[0]), example_value(vs[0])):
         m.bindings["gqa"] = (ks[0], vs[0])
-    if m.bindings.get("padded"):  # heads per key head and keys, for `_dropped_rows`
+    if m.bindings.get("padded"):  # heads per key head, keys and the wide dtype, for `_dropped_rows`
         keys = static_int(k.shape[-2])
         if keys is None:
             return Refusal("a finite mask from the batch with a symbolic number of keys")
-        m.bindings["padded"] = (ks[1] if m.bindings["gqa"] is not None else 1, keys)
+        wide = torch.float32 if q.dtype == torch.float16 else None
+        m.bindings["padded"] = (ks[1] if m.bindings["gqa"] is not None else 1, keys, wide)
     return None
 
 

@@ -842,3 +842,18 @@ def test_an_additive_mask_that_needs_a_gradient_and_can_drop_rows_is_refused():
         lambda: additive_mask(q, k, v, mask), lambda: run_graph(gm, ex), leaves, torch.sum
     )
     assert loss_err < TOL and grad_err < TOL
+
+
+def test_padded_rows_in_fp16_do_not_overflow_where_eager_does_not():
+    """The rows left padding drops whole, under an added mask, carry their gradient through
+    K^T V, which eager never forms: with keys and values of a few hundred it is past fp16's
+    range while eager's scores and outputs are not, and was NaN in every output and gradient.
+    fp16 computes those terms in fp32."""
+    q, k, v = _qkv(torch.float16)
+    with torch.no_grad():
+        q.mul_(0.01), k.mul_(150), v.mul_(150)
+    assert not (k.transpose(-2, -1) @ v).isfinite().all()  # fp16 overflows
+    _, mask = _left_padded(torch.float16)
+    mask = mask.to(torch.float16)
+    assert additive_mask(q, k, v, mask).isfinite().all()  # eager does not
+    _check(additive_mask, q, k, v, mask, tol=1e-2)
