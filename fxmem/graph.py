@@ -327,13 +327,16 @@ class JointGraph:
     def written_by_readers(self) -> list[int]:
         """Fusible nodes a fusing compiler may compute late, when a library call that reads them
         does (see `schedule.as_realized`): element-wise values (and copies into another
-        layout) written to storages of their own."""
+        layout) written to storages of their own. Not a gradient: one that other ops read too
+        is written where it stands, as the graph returns it."""
         if not self.fusible:
             return []
+        returned = {self.storage[o] for o in self.bwd_outputs}
         return [
             i
             for i, s in enumerate(self.storage)
             if s >= 0
+            and s not in returned
             and self.fusible[i]
             and self.materialized[s]
             and self.storage_maker[s] == i

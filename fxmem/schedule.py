@@ -132,12 +132,11 @@ def as_realized(jg: JointGraph, order: list[int], start: int) -> list[int]:
     """
     pos = {order[t]: t for t in range(start, len(order))}  # a recomputed node: its backward step
     later: dict[int, list[int]] = {}  # step of a library call -> steps that move just before it
-    outputs = {jg.storage[o] for o in jg.bwd_outputs}
     for i in jg.written_by_readers:
         t = pos.get(i)
-        s = jg.storage[i]
-        if t is None or s in outputs:  # a gradient is written where it stands, as the graph returns it
+        if t is None:
             continue
+        s = jg.storage[i]
         holders = [j for j in jg.storage_nodes[s] if j in pos]
         readers = [[u for u in jg.users[j] if u in pos] for j in holders]
         outside = [u for us in readers for u in us if jg.storage[u] != s]
