@@ -18,6 +18,7 @@ from fxmem import _torch_private as tp
 from fxmem.backend import COMPILERS, Options, fxmem_backend
 from fxmem.errors import BudgetError, GraphBreakError, check_budget_gb, not_one_graph, why_not_captured
 from fxmem.optimizer import OptimizerNotPlannedWarning, planned_for
+from fxmem.partition import PlanMade, plans_only
 from fxmem.passes import tie_weights as tie_weights_pass
 from fxmem.plan import Plan
 from fxmem.probe import probes_skipped
@@ -223,11 +224,16 @@ class FxmemModule(nn.Module):
         """The original module."""
         return self._fxmem_model
 
-    def plan_for(self, example_inputs: Sequence[Any] | dict[str, Any]) -> Plan:
-        """Plan for these inputs without changing anything the model or the caller owns.
+    def plan_for(self, example_inputs: Sequence[Any] | dict[str, Any], *, compile: bool = True) -> Plan | None:
+        """Plan for these inputs without changing anything the model or the caller owns; None
+        when the step has no backward (nothing it returns requires a gradient).
 
         The forward runs once (that is how the graph is captured); buffers it updates and the
-        random-number state it draws from are put back afterwards.
+        random-number state it draws from are put back afterwards. The step is compiled too,
+        so the first call with inputs of these shapes runs at once. `compile=False` stops once
+        the plan is made: nothing is compiled or run, in a fraction of the time compiling
+        takes, and the first call plans again (the same plan: planning is deterministic)
+        before it compiles. (A step with no backward has no plan to stop at: it compiles.)
         """
         args, kwargs = (), {}
         if isinstance(example_inputs, dict):
@@ -243,8 +249,12 @@ class FxmemModule(nn.Module):
         inputs = _tensors(args, kwargs)
         kind = self._call_kind(self._gradients_held(inputs), inputs, torch.is_grad_enabled())
         try:
-            with held_while_capturing(buffers.values()):
-                self(*args, **kwargs)
+            # (the copies kept to put back are this call's own: not counted as alive at the step)
+            with held_while_capturing([*buffers.values(), cpu_rng]):
+                if compile:
+                    self(*args, **kwargs)
+                else:
+                    self._plan_only(args, kwargs)
             planned = self._fxmem_plan_by_call.get(kind)
         finally:
             with torch.no_grad():
@@ -258,6 +268,18 @@ class FxmemModule(nn.Module):
             # live tensors, and its floor would be higher by their bytes.
             del buffers, cpu_rng, cuda_rng, inputs
         return planned
+
+    def _plan_only(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Capture and plan the step for these inputs, stopping before code generation. (A
+        whole-graph capture raises the stop even with Dynamo's errors suppressed, which would
+        otherwise run the step uncompiled.)"""
+        with plans_only():
+            try:
+                self(*args, **kwargs)
+            except torch._dynamo.exc.BackendCompilerFailed as e:
+                if not isinstance(getattr(e, "inner_exception", None), PlanMade):
+                    raise
+        # Dynamo keeps no code for a compilation that raised: the first call compiles.
 
     # -- calling ----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -158,7 +158,7 @@ def _cmd_plan(args: argparse.Namespace, progress: _Progress) -> int:
     progress.stage("Capturing and planning")
     try:
         wrapped = fxmem.optimize(model, budget / 2**30, optimizer=optimizer, compiler=args.compiler)
-        plan = wrapped.plan_for(example)
+        plan = wrapped.plan_for(example, compile=args.measure)  # compiled only to run a step
     except fxmem.BudgetError as e:
         progress.done()
         print(f"fxmem: {e}", file=sys.stderr)
@@ -277,7 +277,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="fxmem-plan", help="folder for plan.json and pictures (default fxmem-plan)")
     p.add_argument("--optimizer", default="none", help="count this optimizer's state: adamw, adam, sgd, sgd-momentum")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
-    p.add_argument("--measure", action="store_true", help="also run one step and overlay its measured memory")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="also compile and run one step and overlay its measured memory (without it nothing is compiled)",
+    )
     p.add_argument("--top", type=int, default=10, help="largest tensors to list")
     p.set_defaults(run=_cmd_plan)
 

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import logging
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -121,6 +122,27 @@ class PlanRequest:
         return margin_for(self.budget_bytes, self.margin_bytes, self.margin_fraction)
 
 
+class PlanMade(Exception):
+    """Raised by fxmem's partitioning once a plan is made and handed on (`PlanRequest.on_plan`),
+    under `plans_only()`: the forward and backward graphs are not compiled."""
+
+
+_plans_only = threading.local()
+
+
+@contextlib.contextmanager
+def plans_only() -> Iterator[None]:
+    """Within: each step fxmem plans on this thread stops once its plan is made (`PlanMade`),
+    before code generation, which takes longer than planning; a budget below the floor is
+    refused as before (`BudgetError`)."""
+    was = getattr(_plans_only, "on", False)
+    _plans_only.on = True
+    try:
+        yield
+    finally:
+        _plans_only.on = was
+
+
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Keep the cyclic garbage collector off while planning, and turn it on again after.
@@ -164,6 +186,8 @@ def make_partition_fn(req: PlanRequest) -> Callable[..., tuple[fx.GraphModule, f
         log.info("planned %s nodes in %.2fs\n%s", plan.graph_nodes, plan.planning_s, plan.summary())
         if req.on_plan is not None:
             req.on_plan(plan)
+        if getattr(_plans_only, "on", False):
+            raise PlanMade
         return fw, bw
 
     return partition_fn

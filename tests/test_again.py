@@ -84,8 +84,8 @@ def test_a_second_recomputation_lowers_the_floor_and_holds_it(monkeypatch, one_t
 
     # A budget that recomputing once fits does not run anything a second time.
     zero_grads(model)
-    loose = fxmem.optimize(model, once * 1.05 / 2**30, example_inputs=batch)
-    assert loose.plan.second_recomputation == {}
+    loose = fxmem.optimize(model, once * 1.05 / 2**30).plan_for(batch, compile=False)
+    assert loose.second_recomputation == {}
 
 
 def test_a_value_computed_a_second_time_is_made_from_values_still_saved(monkeypatch):

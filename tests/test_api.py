@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from _graphs import grad_err
-from conftest import SMALL_GPT, grads_of, max_rel_err, small_gpt, step, zero_grads
+from conftest import SMALL_GPT, floor_plan, grads_of, max_rel_err, small_gpt, step, zero_grads
 
 import fxmem
 from benchmarks.cnn_floor import MODELS as CNNS
@@ -346,6 +346,35 @@ def test_the_floor_a_refusal_names_is_planned_while_the_refusal_is_held():
     assert max_rel_err(grads_of(model), ref) < 1e-4
     zero_grads(model)
     assert fxmem.measure(step, m, *batch).peak_bytes <= m.plan.budget_bytes
+
+
+def test_a_plan_made_without_compiling_is_the_one_the_first_step_runs(monkeypatch):
+    """plan_for(compile=False) plans and stops before code generation: no graph is compiled
+    and nothing runs, not even with Dynamo's errors suppressed (which would run a step whose
+    compilation stopped uncompiled, but fxmem captures whole graphs, where Dynamo raises). The first step plans again, the same plan (the copy of the
+    random-number state plan_for keeps to put back is not counted as alive at the step), and
+    compiles. A budget below the floor is refused as when compiling."""
+    from torch._inductor import compile_fx
+
+    compiled, real = [], compile_fx.compile_fx_inner
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda *a, **k: compiled.append(1) or real(*a, **k))
+    model, batch = small_gpt()
+    calls = []  # a block's hook: traced inside the step, run only where the step runs
+    next(m for m in model.modules() if isinstance(m, nn.Linear)).register_forward_pre_hook(lambda *_: calls.append(1))
+    m = fxmem.optimize(model, 1.0)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        plan = m.plan_for(batch, compile=False)
+    assert plan is m.plan and not compiled and not calls
+    assert all(p.grad is None for p in model.parameters())
+    step(m, *batch)
+    assert len(compiled) == 2 and calls and len(m.plans) == 2
+    again = m.plan
+    assert again.saved_nodes == plan.saved_nodes and again.breakdown == plan.breakdown
+    assert again.predicted_peak_bytes == plan.predicted_peak_bytes
+    with pytest.raises(fxmem.BudgetError) as refused:
+        fxmem.optimize(model, plan.floor_bytes * 0.9 / 2**30).plan_for(batch, compile=False)
+    assert refused.value.floor_bytes == floor_plan(model, batch)[0]  # the floor compiling names
+    assert len(compiled) == 2
 
 
 class _Logs(nn.Module):

@@ -107,19 +107,21 @@ def test_estimate_of_an_hf_model_with_its_cache_names_use_cache(capsys):
     assert main(["-q", "estimate", f"{FACTORIES}:hf_gpt2_uncached", "--compiler", "eager"]) == 0
 
 
-def test_plan_then_explain(tmp_path, capsys):
+def test_plan_then_explain(tmp_path, capsys, monkeypatch):
+    """`fxmem plan` plans with inductor's memory model and writes the files without compiling
+    (compiling is for --measure's step)."""
+    from torch._inductor import compile_fx
+
+    compiled = []
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda *a, **k: compiled.append(1))
     out = tmp_path / "plan"
-    assert (
-        main(
-            ["-q", "plan", f"{FACTORIES}:tiny_gpt_kwargs", "--budget", "64MB", "--out", str(out), "--compiler", "eager"]
-        )
-        == 0
-    )
+    assert main(["-q", "plan", f"{FACTORIES}:tiny_gpt_kwargs", "--budget", "64MB", "--out", str(out)]) == 0
+    assert not compiled
     assert {"plan.json", "timeline.png", "graph.dot", "memory_snapshot.pickle"} <= set(os.listdir(out))
     printed = capsys.readouterr().out
     assert "predicted peak" in printed and "wrote" in printed
     data = json.loads((out / "plan.json").read_text())
-    assert data["budget_bytes"] == 64 * 2**20
+    assert data["budget_bytes"] == 64 * 2**20 and data["compiler"] == "inductor"
     assert main(["explain", str(out / "plan.json"), "--top", "5"]) == 0
     table = capsys.readouterr().out
     assert "top 5 of" in table and "decision" in table and "rules" in table

@@ -347,6 +347,9 @@ def test_only_a_budget_below_the_unsliced_floor_slices_and_it_holds():
     m = fxmem.optimize(model, budget / 2**30, example_inputs=batch, compiler="eager", passes=SLICING)
     assert 1 < m.plan.batch_slices < sliced.plan.batch_slices  # fewer slices than the floor needs
     assert "batch slices" in m.plan.summary()
+    # planned without compiling: the same slices, the same plan
+    ahead = fxmem.optimize(model, budget / 2**30, compiler="eager", passes=SLICING).plan_for(batch, compile=False)
+    assert (ahead.batch_slices, ahead.saved_nodes) == (m.plan.batch_slices, m.plan.saved_nodes)
     step(m, *batch)
     assert max_rel_err(grads_of(model), ref) < 1e-5
     zero_grads(model)
