@@ -28,6 +28,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
+# Most of the suite's time is g++ compiling inductor's C++ kernels, and scalar kernels compile in
+# half the time of vectorized ones. The tests check memory and gradients, which do not depend
+# on it: inductor chooses the same buffers, fusions and kernels either way (the vector width
+# changes only the code inside a loop). FXMEM_TEST_VECTORIZED=1 runs them vectorized, as a
+# user's step runs; the tests that run a script in a process of its own run it vectorized.
+if os.environ.get("FXMEM_TEST_VECTORIZED") != "1":
+    torch._inductor.config.cpp.simdlen = 1
+
 
 def _collect_and_freeze() -> None:
     """Collect, then move what survives out of the collector's reach (`gc.freeze`) when no
