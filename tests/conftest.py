@@ -31,8 +31,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Most of the suite's time is g++ compiling inductor's C++ kernels, and scalar kernels compile in
 # half the time of vectorized ones. The tests check memory and gradients, which do not depend
 # on it: inductor chooses the same buffers, fusions and kernels either way (the vector width
-# changes only the code inside a loop). FXMEM_TEST_VECTORIZED=1 runs them vectorized, as a
-# user's step runs; the tests that run a script in a process of its own run it vectorized.
+# changes only the code inside a loop; test_simulate.py checks it). FXMEM_TEST_VECTORIZED=1
+# runs them vectorized, as a user's step runs; the tests that run a script in a process of its
+# own run it vectorized.
 if os.environ.get("FXMEM_TEST_VECTORIZED") != "1":
     torch._inductor.config.cpp.simdlen = 1
 

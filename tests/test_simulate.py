@@ -1627,3 +1627,32 @@ def test_a_value_loading_two_views_of_one_buffer_is_written_where_it_stands(monk
     assert len(jg.inputs[u]) == 2 and len({jg.storage[j] for j in jg.inputs[u]}) == 1  # the halves
     order, t = _backward_with_first(jg, saved, "mul")
     assert as_realized(jg, order, len(jg.forward_nodes))[t] == u
+
+
+def _wrapper_code(simdlen: int | None) -> tuple[list[str], int, bool]:
+    """Inductor's wrapper code (what runs the kernels: allocations, calls, frees) of a dropout
+    GPT's step at its floor, its C++ kernels compiled at that vector width; the plan's predicted
+    peak; whether any kernel is vectorized."""
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=1, n_head=2, n_embd=32, dropout=0.1)
+    torch.manual_seed(0)
+    model, batch = GPT(cfg), gpt_batch(cfg, 4, 64)
+    floor, _ = floor_plan(model, batch)
+    with torch._inductor.config.patch({"cpp.simdlen": simdlen}):
+        m = fxmem.optimize(model, floor / 2**30)
+        _, codes = run_and_get_code(step, m, *batch)
+    vector_code = "at::vec::Vectorized" in "".join(codes)
+    return [code[code.index("def call(") :] for code in codes], m.plan.predicted_peak_bytes, vector_code
+
+
+def test_scalar_kernels_run_the_step_vectorized_ones_run():
+    """The suite compiles inductor's CPU kernels scalar (conftest.py), on the premise that only
+    the code inside the kernels changes: the buffers allocated, the kernels called on them and
+    the frees are those of the vectorized kernels a user's step runs."""
+    vectorized = _wrapper_code(None)
+    torch._dynamo.reset()
+    scalar = _wrapper_code(1)
+    assert len(vectorized[0]) == 2  # forward and backward
+    assert vectorized[2] and not scalar[2]
+    assert scalar[:2] == vectorized[:2]
