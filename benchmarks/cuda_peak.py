@@ -30,7 +30,9 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-__all__ = ["alive_at_measured_peak", "alive_at_predicted_peak", "main", "unmatched"]
+from fxmem.plan_record import alive_at_peak  # noqa: E402
+
+__all__ = ["alive_at_measured_peak", "main", "unmatched"]
 
 MiB = 2**20
 _TOP = 25
@@ -67,29 +69,6 @@ def _alive_blocks(snapshot: dict, device: int) -> dict[int, int]:
         for b in seg["blocks"]
         if b["state"] == "active_allocated"
     }
-
-
-def alive_at_predicted_peak(timeline: dict) -> tuple[int, list[tuple[str, str, int]]]:
-    """The plan's dynamic bytes at its predicted peak and the allocations alive there, as
-    (node, category, bytes), from a plan's `timeline` record (see fxmem.plan_record)."""
-    by_step: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for t, a, nbytes in timeline["events"]:
-        by_step[t].append((a, nbytes))
-    live: dict[int, int] = {}
-    peak, at_peak = 0, {}
-    for t in range(len(timeline["steps"])):
-        events = by_step.get(t, [])
-        for a, nbytes in events:  # charged before the step's snapshot
-            if nbytes > 0:
-                live[a] = nbytes
-        total = sum(live.values())
-        if total > peak:
-            peak, at_peak = total, dict(live)
-        for a, nbytes in events:  # freed after it
-            if nbytes < 0:
-                live.pop(a, None)
-    rows = [(*timeline["allocations"][a], nbytes) for a, nbytes in at_peak.items()]
-    return peak, sorted(rows, key=lambda r: -r[2])
 
 
 def _site(frames: list[dict]) -> str:
@@ -135,7 +114,7 @@ def _report_measured(trace: list[dict], entry: dict[int, int]) -> tuple[int, lis
 
 
 def _report_predicted(plan) -> tuple[int, list[tuple[int, str]]]:
-    peak, rows = alive_at_predicted_peak(plan.timeline)
+    _, peak, rows = alive_at_peak(plan.timeline)
     print(f"predicted: {peak / MiB:.3f} MiB of dynamic bytes at the plan's peak, {len(rows)} allocations")
     for name, category, nbytes in rows[:_TOP]:
         print(f"  {nbytes / MiB:9.3f} MiB  {category:<18s} {name}")

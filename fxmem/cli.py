@@ -211,6 +211,7 @@ def explain_text(plan: Any, top: int = 20) -> str:
         lines.append(f"  measured peak    {format_bytes(plan.measured['peak_bytes'])}")
     rules = ", ".join(f"{k} x{v}" for k, v in plan.rewrites.items() if v) or "none fired"
     lines.append(f"  rules            {rules}")
+    lines += _peak_lines(plan, top)
     biggest = sorted(plan.decisions, key=lambda d: -d.nbytes)[:top]
     if biggest:
         lines.append("")
@@ -226,6 +227,38 @@ def explain_text(plan: Any, top: int = 20) -> str:
                 f"{d.module[:24]:<24} {source:<28} {d.reason}"
             )
     return "\n".join(lines)
+
+
+_PHASES = {"fwd": "forward", "bwd": "backward", "recompute": "backward, recomputing", "optimizer": "optimizer step"}
+
+
+def _peak_lines(plan: Any, top: int) -> list[str]:
+    """The `top` largest allocations alive at the plan's predicted peak, with the op, module and
+    source line that made each: what to change for a lower peak."""
+    from fxmem.plan import format_bytes
+    from fxmem.plan_record import alive_at_peak
+
+    at, peak, alive = alive_at_peak(plan.timeline)
+    if at < 0 or top <= 0:
+        return []
+    steps, static = plan.timeline["steps"], sum(plan.timeline["static"].values())
+    node, phase = steps[at]
+    made_by = {row[0]: row for row in plan.graph.get("nodes", ())}
+    lines = [
+        "",
+        f"alive at the predicted peak, step {at + 1} of {len(steps)} ({node}, {_PHASES.get(phase, phase)}): "
+        f"{format_bytes(peak)} in {len(alive)} tensors, besides {format_bytes(static)} alive through the "
+        "whole step",
+    ]
+    header = f"  {'category':<18}{'bytes':>11}  {'tensor':<20} {'op':<30} {'module':<32} source"
+    lines += [header, "  " + "-" * (len(header) + 16)]
+    for name, category, nbytes in alive[:top]:
+        _, op, _, _, _, module, source = made_by.get(name, [name, "", "", "", [], "", ""])
+        lines.append(
+            f"  {category:<18}{format_bytes(nbytes):>11}  {name[:20]:<20} {op[:30]:<30} {module[:32]:<32} "
+            f"{os.path.basename(source)}"
+        )
+    return lines
 
 
 def _cmd_explain(args: argparse.Namespace, progress: _Progress) -> int:

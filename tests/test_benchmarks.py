@@ -213,28 +213,6 @@ def test_cuda_peak_names_the_models_it_can_build(capsys):
     assert all(name in err for name, spec in MODELS.items() if "cuda" in spec.sizes)
 
 
-def test_cuda_peak_reads_the_plans_peak_from_its_timeline():
-    """The dynamic bytes alive at the timeline's peak, plus its static bytes, are the plan's
-    predicted peak."""
-    from conftest import small_gpt
-
-    import fxmem
-    from benchmarks.cuda_peak import alive_at_predicted_peak
-
-    model, batch = small_gpt()
-    plan = fxmem.optimize(model, 0.5, compiler="eager", example_inputs=batch).plan
-    peak, rows = alive_at_predicted_peak(plan.timeline)
-    assert peak == sum(nbytes for _, _, nbytes in rows)
-    assert peak + sum(plan.timeline["static"].values()) == plan.predicted_peak_bytes
-    assert {category for _, category, _ in rows} <= {
-        "gradients",
-        "saved activations",
-        "outputs",
-        "recomputed",
-        "temporaries",
-    }
-
-
 def test_planning_time_plans_benchmark_models_at_a_size():
     out = _run("planning_time.py", "--models", "gpt", "--size", "quick")
     assert out.returncode == 0, out.stderr[-2000:]

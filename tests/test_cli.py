@@ -125,6 +125,7 @@ def test_plan_then_explain(tmp_path, capsys, monkeypatch):
     assert main(["explain", str(out / "plan.json"), "--top", "5"]) == 0
     table = capsys.readouterr().out
     assert "top 5 of" in table and "decision" in table and "rules" in table
+    assert "alive at the predicted peak" in table
     biggest = max(data["decisions"], key=lambda d: d["nbytes"])
     assert biggest["op"][:30] in table
 

@@ -16,7 +16,7 @@ from conftest import SMALL_GPT, small_gpt, step
 
 import fxmem
 from fxmem.plan_files import TIMELINE_PX, measure_plan
-from fxmem.plan_record import category_curves, total_curve
+from fxmem.plan_record import alive_at_peak, category_curves, total_curve
 from fxmem.testing import gpt_batch
 
 MiB = 2**20
@@ -283,3 +283,32 @@ def test_predicted_peak_within_15_percent_of_measured(factory, tmp_path):
     measured = fxmem.measure(one_step)
     predicted = json.loads(open(wrapped.plan.save(tmp_path, files=False)).read())["predicted_peak_bytes"]
     assert abs(predicted / measured.peak_bytes - 1) <= 0.15, (predicted / MiB, measured.peak_bytes / MiB)
+
+
+def test_what_is_alive_at_the_peak_adds_up_to_the_predicted_peak():
+    """The allocations alive at the timeline's peak, plus its static bytes, are the plan's
+    predicted peak, at the step where the predicted memory is highest; `fxmem explain` lists
+    them."""
+    from fxmem.cli import explain_text
+
+    model, batch = small_gpt()
+    plan = fxmem.optimize(model, 0.5, compiler="eager", example_inputs=batch).plan
+    at, peak, rows = alive_at_peak(plan.timeline)
+    curve = total_curve(plan.timeline)
+    assert at == curve.index(max(curve))
+    assert peak == sum(nbytes for _, _, nbytes in rows)
+    assert peak + sum(plan.timeline["static"].values()) == plan.predicted_peak_bytes
+    assert [nbytes for _, _, nbytes in rows] == sorted((nbytes for _, _, nbytes in rows), reverse=True)
+    assert {category for _, category, _ in rows} <= {
+        "gradients",
+        "saved activations",
+        "outputs",
+        "recomputed",
+        "temporaries",
+    }
+    table = explain_text(plan, top=3).splitlines()
+    first = table.index(next(line for line in table if line.startswith("alive at the predicted peak")))
+    assert f"step {at + 1} of {len(plan.timeline['steps'])}" in table[first]
+    for (name, category, _), line in zip(rows[:3], table[first + 3 : first + 6], strict=True):
+        assert line.split()[0] == category.split()[0] and name in line.split()
+    assert alive_at_peak({}) == (-1, 0, [])
