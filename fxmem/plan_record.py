@@ -199,30 +199,26 @@ def category_curves(timeline: dict) -> dict[str, list[int]]:
     return {c: v for c, v in curves.items() if any(v)}
 
 
-def alive_at_peak(timeline: dict) -> tuple[int, int, list[tuple[str, str, int]]]:
-    """Where the predicted step's dynamic bytes peak: the step (the first, where several tie;
-    -1 for a timeline without steps), those bytes, and the allocations alive there as (node,
-    category, bytes), largest first."""
-    by_step: dict[int, list[tuple[int, int]]] = {}
-    for t, a, nbytes in timeline.get("events", ()):
-        by_step.setdefault(t, []).append((a, nbytes))
-    live: dict[int, int] = {}
-    at, peak, at_peak = -1, 0, {}
-    for t in range(len(timeline.get("steps", ()))):
-        events = by_step.get(t, [])
-        live.update((a, nbytes) for a, nbytes in events if nbytes > 0)  # charged before the snapshot
-        total = sum(live.values())
-        if at < 0 or total > peak:
-            at, peak, at_peak = t, total, dict(live)
-        for a, nbytes in events:  # freed after it
-            if nbytes < 0:
-                live.pop(a, None)
-    rows = [(*timeline["allocations"][a], nbytes) for a, nbytes in at_peak.items()]
-    return at, peak, sorted(rows, key=lambda r: -r[2])
-
-
 def total_curve(timeline: dict) -> list[int]:
     """Predicted bytes in use at each step, static bytes included."""
     static = sum(timeline["static"].values())
     curves = category_curves(timeline)
     return [static + sum(c[t] for c in curves.values()) for t in range(len(timeline["steps"]))]
+
+
+def alive_at_peak(timeline: dict) -> tuple[int, int, list[tuple[str, str, int]]]:
+    """Where the predicted step peaks: the step (the first, where several tie; -1 for a
+    timeline without steps), the dynamic bytes alive there, and those allocations as (node,
+    category, bytes), largest first."""
+    if not timeline.get("steps"):
+        return -1, 0, []
+    curve = total_curve(timeline)
+    at = curve.index(max(curve))
+    live: dict[int, int] = {}
+    for t, a, nbytes in timeline["events"]:  # charged before a step's snapshot, freed after it
+        if nbytes > 0 and t <= at:
+            live[a] = nbytes
+        elif nbytes < 0 and t < at:
+            live.pop(a, None)
+    rows = [(*timeline["allocations"][a], nbytes) for a, nbytes in live.items()]
+    return at, sum(live.values()), sorted(rows, key=lambda r: -r[2])
