@@ -130,7 +130,7 @@ class FxmemModule(nn.Module):
         self.__dict__["_fxmem_plans"] = []
         self.__dict__["_fxmem_ties"] = ties
         self.__dict__["_fxmem_weights"] = weights or tie_weights_pass.detect(model)
-        options.on_plan = self._record_plan
+        options.on_plan = _weakly(self._record_plan)
         self.__dict__["_fxmem_options"] = options
 
         # Per number of gradients held as a step starts, the step compiled (and planned) for
@@ -307,12 +307,13 @@ class FxmemModule(nn.Module):
                 "its warning above names what changed last): pad inputs to a few sizes, pass values "
                 "that change as tensors, or raise that limit before the new calls come"
             ) from e
-        except torch._dynamo.exc.Unsupported as e:
-            raise not_one_graph(e) from e
-        except torch._dynamo.exc.UserError as e:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
             if "data-dependent" not in str(e):
+                if isinstance(e, torch._dynamo.exc.Unsupported):
+                    raise not_one_graph(e) from e
                 raise
-            # A branch on a tensor's value (`if x.sum().item() > 0`): the graph would differ by data.
+            # A branch on a tensor's value (`if x.sum().item() > 0`): the graph would differ by
+            # data (torch 2.11's Dynamo says so with Unsupported, later ones with UserError).
             raise GraphBreakError(
                 "fxmem plans one graph per step and this model branches on a tensor's value, which "
                 "decides the graph: compute both sides (torch.where) or branch outside the step; "
@@ -421,3 +422,18 @@ def _backend(options_ref: weakref.ref) -> Any:
 
 def _tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
     return [x for x in tp.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+
+
+def _weakly(method: Any) -> Any:
+    """`method`, called through a weak reference to its object: what keeps the callback (the
+    options a compiled step closes over, held by Dynamo's cache and, on torch 2.11, by what it
+    keeps of a compiled step beyond the garbage collector's sight) does not keep the module and
+    its parameters alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
