@@ -37,6 +37,7 @@ from fxmem.cleanup import (
     merge_repeated_values,
     realize_running_sums,
     remove_redundant_clones,
+    split_element_wise_by_chunk,
 )
 from fxmem.cost import CostModel, measure_rates
 from fxmem.emit import emit_graphs
@@ -206,6 +207,8 @@ def _plan_and_emit(
         storage_remap.update(remove_redundant_clones(joint))
         if req.compiler == "inductor":
             realize_running_sums(joint, num_fwd_outputs)
+        else:
+            split_element_wise_by_chunk(joint)
         layout_opt = req.compiler == "inductor" and on_callers_thread(tp.inductor_layout_optimization, joint)
         if layout_opt:
             copy_conv_inputs_channels_last(joint)
