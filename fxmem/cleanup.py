@@ -417,6 +417,9 @@ def _channels_last(got):
 
 _SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
 _SLICE = torch.ops.aten.slice.Tensor
+# Views a part made on its own storage cannot stand under: a split's parts would keep the whole
+# value's storage in their fake values, `as_strided` reads at an offset into it.
+_REFUSED_VIEWS = (*_SPLITS, torch.ops.aten.unbind.int, torch.ops.aten.as_strided.default)
 
 
 def split_element_wise_by_chunk(gm: fx.GraphModule) -> int:
@@ -461,13 +464,31 @@ def _chunkable(x: fx.Node, splits: list[fx.Node]) -> bool:
         return False
     if _is_random(x) or _is_impure(x) or not isinstance(val, torch.Tensor) or val.ndim == 0:
         return False
-    if any(not all(u.target is operator.getitem for u in s.users) for s in splits):
+    items = [u for s in splits for u in s.users]
+    if not all(u.target is operator.getitem for u in items) or any(0 in t.shape for t in _parts(splits)):
         return False
+    if any(u.target in _REFUSED_VIEWS for v in items + _views_of(items) for u in v.users):
+        return False  # a part split again, or viewed at a storage offset: not its own storage
     inputs = x.all_input_nodes
     if not all(isinstance(a.meta.get("val"), torch.Tensor) for a in inputs):
         return False
     held = sum({storage_of(a): a.meta["val"].untyped_storage().nbytes() for a in inputs}.values())
     return held < val.untyped_storage().nbytes() // 2
+
+
+def _parts(splits: list[fx.Node]) -> list[torch.Tensor]:
+    return [t for s in splits for t in s.meta["val"]]
+
+
+def _views_of(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The views of `nodes`, and of those views, ..."""
+    out, todo = [], list(nodes)
+    while todo:
+        node = todo.pop()
+        views = [u for u in node.users if aliased_input(u) is node]
+        out += views
+        todo += views
+    return out
 
 
 def _chunk_by_chunk(gm: fx.GraphModule, x: fx.Node, split: fx.Node) -> None:
@@ -478,6 +499,9 @@ def _chunk_by_chunk(gm: fx.GraphModule, x: fx.Node, split: fx.Node) -> None:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     for item in list(split.users):
         i = item.args[1]
+        if not item.users:
+            gm.graph.erase_node(item)
+            continue
         with gm.graph.inserting_before(item):
             args, kwargs = torch.fx.node.map_aggregate(
                 (x.args, x.kwargs), lambda a, i=i: _rows(gm, a, dim - val.ndim, starts[i], starts[i] + sizes[i])

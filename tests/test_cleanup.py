@@ -239,3 +239,15 @@ def test_a_value_read_whole_or_as_large_as_its_inputs_is_left_whole():
     for fn in (read_whole_too, inputs_as_large):
         gm = make_fx(fn, tracing_mode="fake")(x, y)
         assert split_element_wise_by_chunk(gm) == 0, fn.__name__
+
+
+def test_a_value_whose_parts_are_split_again_is_left_whole():
+    """Split parts of a part would keep the whole value's storage in their fake values."""
+    allowed = torch.rand(4, 1, 8, 8) > 0.3
+
+    def split_twice(a):
+        mask = torch.where(a.expand(4, 2, 8, 8), torch.zeros(()), -1e9)
+        return [q.sum() for p in torch.chunk(mask, 2, dim=0) for q in torch.chunk(p, 2, dim=1)]
+
+    gm = make_fx(split_twice, tracing_mode="fake")(allowed)
+    assert split_element_wise_by_chunk(gm) == 0
