@@ -195,8 +195,9 @@ _OP_META = ("eager_input_vals",)
 # The AOTAutograd of torch 2.11 and 2.12 keeps a tensor that the compiled forward both returns
 # and saves for the backward alive until the backward ends, even where the caller let the
 # returned one go (an LM head's hidden state returned for the logits' gradient, a layer's
-# key/value cache); 2.13 frees it at its last use in the backward.
-SAVED_OUTPUTS_HELD_THROUGH_BACKWARD = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+# key/value cache); 2.13 frees it at its last use in the backward. Counted in `simulate` for
+# the values a plan saves.
+SAVED_OUTPUTS_HELD_THROUGH_BACKWARD = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def meta_for(new: torch.fx.Node, like: torch.fx.Node) -> dict[str, Any]:

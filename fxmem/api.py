@@ -308,8 +308,9 @@ class FxmemModule(nn.Module):
                 "that change as tensors, or raise that limit before the new calls come"
             ) from e
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-            if "data-dependent" not in str(e):
-                if isinstance(e, torch._dynamo.exc.Unsupported):
+            unsupported = isinstance(e, torch._dynamo.exc.Unsupported)
+            if ("guard on data-dependent" if unsupported else "data-dependent") not in str(e):
+                if unsupported:
                     raise not_one_graph(e) from e
                 raise
             # A branch on a tensor's value (`if x.sum().item() > 0`): the graph would differ by

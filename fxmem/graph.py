@@ -107,9 +107,6 @@ class JointGraph:
             for out, desc in zip(flat_outs[:num_fwd_outputs], descs[:num_fwd_outputs], strict=True):
                 if type(desc).__name__ == "PlainAOTOutput" and isinstance(out, fx.Node):
                     released[index[out]] = desc.idx
-            if tp.SAVED_OUTPUTS_HELD_THROUGH_BACKWARD:
-                read_back = {storage[j] for u, k in enumerate(kind) if k == BWD for j in inputs[u]}
-                released = {i: at for i, at in released.items() if storage[i] not in read_back}
 
         cost_s = [cost.node_seconds(n) for n in nodes]
         tangent_users = [u for i in range(len(nodes)) if kind[i] == TANGENT for u in users[i]]
