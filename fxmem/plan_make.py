@@ -18,7 +18,7 @@ from fxmem.nodes import module_path, source_line
 from fxmem.plan import Decision, Plan
 from fxmem.plan_record import fingerprint, graph_record, timeline_record
 from fxmem.planner import Choice, Trajectory
-from fxmem.simulate import Timeline, let_go, simulate
+from fxmem.simulate import Timeline, simulate
 
 if TYPE_CHECKING:
     from fxmem.partition import PlanRequest
@@ -144,11 +144,10 @@ def make_plan(
 def _released_outputs(jg: JointGraph, tl: Timeline) -> list[list[int]]:
     """[position among the step's outputs, storage, bytes] of each output the plan frees at the
     forward's end, the caller letting it go (`keep_outputs=False`): not saved for the backward."""
-    gone = let_go(jg) - set(tl.saved_interval)
     return sorted(
         [pos, jg.storage[i], jg.storage_bytes[jg.storage[i]]]
         for i, pos in jg.released_outputs.items()
-        if jg.storage[i] in gone
+        if jg.storage[i] in tl.released
     )
 
 

@@ -34,7 +34,7 @@ from fxmem.own_stack import stop_if_abandoned
 from fxmem.probe import workspace_bytes
 from fxmem.schedule import as_realized, backward_order, kernel_ends, outputs_made_at
 
-__all__ = ["Timeline", "let_go", "simulate"]
+__all__ = ["Timeline", "simulate"]
 
 
 @dataclass
@@ -55,6 +55,9 @@ class Timeline:
     # -bytes) when freed after that step's reading; they sum to `curve` (see plan_files). A
     # negative key is memory no storage holds: an op's temporaries, the copies made for a call.
     events: list[tuple[int, int, int]] | None = None
+    # What the step returns that the caller lets go (`keep_outputs=False`) and the plan frees
+    # at the forward's end: not saved, nor held to the backward's end.
+    released: frozenset[int] = frozenset()
     # The backward's nodes in the order the backward graph is emitted; `order` is the order a
     # fusing compiler runs them in (see `schedule.as_realized`). None: the same.
     emitted: list[int] | None = None
@@ -292,6 +295,7 @@ def simulate(
         events=events,
         recomputed_interval=recomputed_interval,
         emitted=None if order == emitted else emitted[boundary:],
+        released=frozenset(released - saved_sids),
     )
 
 
@@ -344,14 +348,9 @@ def _copies(jg: JointGraph, held: set[int]) -> dict[int, int]:
     return out
 
 
-def let_go(jg: JointGraph) -> set[int]:
-    """Storages of what the step returns that the caller lets go before the backward
-    (`keep_outputs=False`): alive to the forward's end, or as long as the backward reads them
-    when saved; not those of parameters or inputs, nor those another output keeps."""
-    return _let_go(jg, jg.kept_to_end)
-
-
 def _let_go(jg: JointGraph, kept_end: frozenset[int]) -> set[int]:
+    """Storages of what the step returns that the caller lets go before the backward
+    (`keep_outputs=False`): not those of parameters or inputs, nor those another output keeps."""
     released = {jg.storage[i] for i in jg.released_outputs if jg.storage[i] >= 0}
     return released - kept_end - jg.primal_storages
 
