@@ -37,7 +37,6 @@ from fxmem.cleanup import (
     merge_repeated_values,
     realize_running_sums,
     remove_redundant_clones,
-    split_element_wise_by_chunk,
 )
 from fxmem.cost import CostModel, measure_rates
 from fxmem.emit import emit_graphs
@@ -45,6 +44,7 @@ from fxmem.errors import BudgetError, PlanMismatchError
 from fxmem.graph import JointGraph
 from fxmem.opaque import seeds_from_buffers
 from fxmem.own_stack import on_callers_thread, on_own_stack, stop_if_abandoned
+from fxmem.parts import split_element_wise_by_chunk
 from fxmem.plan import FLOOR_SLACK_BYTES, Plan, format_bytes
 from fxmem.plan_make import make_plan
 from fxmem.plan_record import graph_record, reuse_trajectory
