@@ -192,12 +192,12 @@ def fake_rerun(node: torch.fx.Node, value_of: Callable[[torch.fx.Node], Any] | N
 # matches against that op's schema when it lowers the node.
 _OP_META = ("eager_input_vals",)
 
-# The AOTAutograd of torch 2.11 and 2.12 keeps a tensor that the compiled forward both returns
-# and saves for the backward alive until the backward ends, even where the caller let the
-# returned one go (an LM head's hidden state returned for the logits' gradient, a layer's
-# key/value cache); 2.13 frees it at its last use in the backward. Counted in `simulate` for
-# the values a plan saves.
-SAVED_OUTPUTS_HELD_THROUGH_BACKWARD = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+# The compiled backward of torch 2.11 and 2.12 takes the gradients of the forward's outputs as
+# the arguments of one call, which hold them until it returns: the zeros autograd makes for an
+# output the loss does not depend on (logits beside a loss computed in the model, the hidden
+# state `chunked_lm_loss` returns, a cache) live to the backward's end. 2.13 passes them in a
+# list the backward empties, and each is freed at its last use. Counted in `simulate`.
+TANGENTS_HELD_THROUGH_BACKWARD = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 def meta_for(new: torch.fx.Node, like: torch.fx.Node) -> dict[str, Any]:

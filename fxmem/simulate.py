@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from fxmem import _torch_private as tp
 from fxmem.buffers import inline_code, is_costly
-from fxmem.graph import BWD, JointGraph
+from fxmem.graph import JointGraph
 from fxmem.in_place import reads_in_place
 from fxmem.nodes import transient_bytes
 from fxmem.own_stack import stop_if_abandoned
@@ -83,16 +83,14 @@ def simulate(
 
     static = jg.primal_storages
     kept_end = jg.kept_to_end
+    if tp.TANGENTS_HELD_THROUGH_BACKWARD:
+        kept_end = kept_end | {storage[i] for i in jg.tangent_nodes if storage[i] >= 0}
     released = _let_go(jg, kept_end)
     # A value saved for no reader in the backward (nor a recomputed one) is not saved.
     rset = set(recomputed)
     read_back = jg.read_back(rset)
     saved_sids = {storage[i] for i in fwd_order if saved[i] and i in read_back and i not in rset} - static
     saved_sids.discard(-1)
-    if tp.SAVED_OUTPUTS_HELD_THROUGH_BACKWARD:
-        # What the caller lets go but the backward reads lives to the backward's end.
-        late = {s for s in released if s in saved_sids or any(jg.kind[u] == BWD for u in jg.storage_readers[s])}
-        kept_end, released = kept_end | late, released - late
 
     # Last reader of each storage, per phase: a value freed in the forward and recomputed in
     # the backward is two allocations. The forward runs the same steps whatever is saved.

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from conftest import floor_plan, grads_of, max_rel_err, zero_grads
 
 import fxmem
+from fxmem._torch_private import TANGENTS_HELD_THROUGH_BACKWARD
 from fxmem.backend import Options
 from fxmem.outputs import return_outside, with_output_hooks
 
@@ -202,7 +203,12 @@ def test_a_loss_computed_outside_the_step_on_a_large_output_warns():
     outside(m, idx, targets)
     zero_grads(model)
     got, warned = _warned(fxmem.LossOutsideWarning, outside, m, idx, targets)
-    assert got.peak_bytes > budget and len(warned) == 1, (got.peak_bytes / MiB, budget / MiB)
+    assert len(warned) == 1
+    assert got.peak_bytes > m.plan.predicted_peak_bytes + MiB, (got.peak_bytes / MiB, m.plan.predicted_peak_bytes / MiB)
+    if not TANGENTS_HELD_THROUGH_BACKWARD:
+        # Where the logits' gradient is held through the backward (torch < 2.13), the plan's
+        # peak is there, and the loss's tensors outside fit the head-room beside it.
+        assert got.peak_bytes > budget, (got.peak_bytes / MiB, budget / MiB)
     assert "inside the model's forward" in str(warned[0].message)
     zero_grads(model)
     # The loss inside the step, at its own floor: nothing outside, nothing to warn of.
