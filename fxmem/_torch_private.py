@@ -197,7 +197,22 @@ _OP_META = ("eager_input_vals",)
 # output the loss does not depend on (logits beside a loss computed in the model, the hidden
 # state `chunked_lm_loss` returns, a cache) live to the backward's end. 2.13 passes them in a
 # list the backward empties, and each is freed at its last use. Counted in `simulate`.
-TANGENTS_HELD_THROUGH_BACKWARD = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+_BEFORE_2_13 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+TANGENTS_HELD_THROUGH_BACKWARD = _BEFORE_2_13
+# Inductor before 2.13 runs convolution backward as a library call on the strides its inputs
+# have in the traced graph (its `constrain_to_fx_strides`); 2.13 lowers it on its own and, with
+# its layout optimisation, asks for channels-last inputs. Traced contiguous, the gradient and
+# a value computed again for it are written so and copied channels-last inside the call:
+# fxmem pins them channels-last (`force_stride_order`) where the forward runs so.
+CONV_BACKWARD_TAKES_TRACED_STRIDES = _BEFORE_2_13
+
+
+def force_stride_order() -> Any:
+    """Inductor's op asking for a value with the given strides: a no-op on a value it has not
+    laid out yet, which it writes so, a copy otherwise."""
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.force_stride_order
 
 
 def meta_for(new: torch.fx.Node, like: torch.fx.Node) -> dict[str, Any]:

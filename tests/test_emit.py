@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxmem.emit import _loads, _view_per_reader
+from fxmem._torch_private import force_stride_order
+from fxmem.emit import _conv_backward_channels_last, _loads, _view_per_reader
 
 aten = torch.ops.aten
 
@@ -94,3 +95,32 @@ def test_an_in_place_op_is_never_taken_again():
     nodes = len(graph.nodes)
     _view_per_reader(gm, layout_opt=False)
     assert len(graph.nodes) == nodes
+
+
+def test_convolution_backward_reads_channels_last_values():
+    """A convolution's backward whose gradient was traced contiguous, beside a channels-last
+    input and weight: the gradient alone is pinned channels-last (the op asks for those strides
+    and takes the value as it is), and the graph computes what it did."""
+
+    def backward(g, x, w):
+        grad = g * torch.sigmoid(g)  # element-wise code written where the call reads it
+        dx, dw, _ = aten.convolution_backward.default(
+            grad, x, w, [0], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False]
+        )
+        return dx, dw
+
+    torch.manual_seed(0)
+    g = torch.randn(2, 4, 6, 6)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)
+    gm = make_fx(backward, tracing_mode="fake")(g, x, w)
+    before = gm(g, x, w)
+    _conv_backward_channels_last(gm)
+    gm.recompile()
+    (conv,) = gm.graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
+    pinned, read = conv.args[0], conv.args[1]
+    assert pinned.target is force_stride_order() and pinned.args[0].target is aten.mul.Tensor
+    assert pinned.meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert read.op == "placeholder", "already channels-last: left as it is"
+    for got, want in zip(gm(g, x, w), before, strict=True):
+        assert torch.equal(got, want)
