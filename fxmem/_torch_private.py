@@ -205,6 +205,13 @@ TANGENTS_HELD_THROUGH_BACKWARD = _BEFORE_2_13
 # a value computed again for it are written so and copied channels-last inside the call:
 # fxmem pins them channels-last (`force_stride_order`) where the forward runs so.
 CONV_BACKWARD_TAKES_TRACED_STRIDES = _BEFORE_2_13
+# Ops whose value inductor stores, rather than computing it again inside every reader's
+# kernel, when several kernels read it, on CPU (its `should_realize_on_reuse`): exp and sigmoid
+# before 2.13, the logarithms and tanh too since (GPT-2's GELU: its tanh computed again in the
+# backward was counted stored on 2.11, 1 MiB a layer that inductor computes in each reader).
+HEAVY_ON_CPU = frozenset(
+    {"exp", "sigmoid"} if _BEFORE_2_13 else {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
+)
 
 
 def force_stride_order() -> Any:

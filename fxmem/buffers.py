@@ -192,9 +192,6 @@ def _scattered(
     return any(op_name(nodes[u]) in SCATTERS for u in reach(users[i], onward))
 
 
-# Ops whose value inductor stores, rather than computing it again inside every reader's
-# kernel, when several kernels read it (on CPU; see its `should_realize_on_reuse`).
-_HEAVY_ON_CPU = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}
 MAX_INLINED_READS = 4  # inductor's realize_reads_threshold
 
 
@@ -202,7 +199,7 @@ def is_heavy(node: fx.Node) -> bool:
     """Whether inductor stores the value of `node`, or of element-wise code computing it, that
     several kernels read, rather than computing it again in each (see `stored_on_reuse`)."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and op_name(node) in _HEAVY_ON_CPU
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and op_name(node) in tp.HEAVY_ON_CPU
 
 
 def inline_code(
