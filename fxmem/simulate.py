@@ -448,7 +448,8 @@ def simulate_modules(fw, bw, remap: dict[int, int] | None = None) -> tuple[int, 
     for t, (n, phase) in enumerate(steps):
         k = key(n)
         if k is not None and k not in static and k not in alive:
-            if k in user_outs or k in grads:
+            held = tp.TANGENTS_HELD_THROUGH_BACKWARD and n.op == "placeholder" and phase == 1
+            if k in user_outs or k in grads or held:  # a gradient of an output, held by the call
                 free = end
             elif k in saved and phase == 0:
                 free = last.get((k, 1), bw_start)
