@@ -73,7 +73,9 @@ def _conv_backward_channels_last(gm: fx.GraphModule) -> None:
             channels_last = val.clone(memory_format=torch.channels_last)
             with gm.graph.inserting_before(node):
                 pinned = gm.graph.call_function(tp.force_stride_order(), (arg, list(channels_last.stride())))
-            pinned.meta = {**arg.meta, "val": channels_last}
+            # the value's meta, with its new strides (no stale `tensor_meta`)
+            pinned.meta = {k: v for k, v in arg.meta.items() if k != "tensor_meta"}
+            pinned.meta["val"] = channels_last
             node.update_arg(k, pinned)
 
 
