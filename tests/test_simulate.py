@@ -445,10 +445,13 @@ def test_index_arithmetic_several_kernels_read_is_computed_in_each(monkeypatch):
     whole = stored_on_reuse(
         jg.nodes, jg.inputs, jg.users, jg.storage, list(jg.materialized), jg.inlinable, [k == BWD for k in jg.kind]
     )
-    assert not whole[bucket] and whole[bias]  # on the whole graph too
+    # A log is a heavy op for inductor since torch 2.13; before, the bias is computed in each
+    # reader too.
+    heavy = "log" in tp.HEAVY_ON_CPU
+    assert not whole[bucket] and whole[bias] == heavy  # on the whole graph too
     tl = simulate(jg, [False] * len(jg.nodes))  # all computed again in the backward
     assert {bucket, bias} <= set(tl.recomputed)
-    assert jg.storage[bias] in tl.recomputed_interval
+    assert (jg.storage[bias] in tl.recomputed_interval) == heavy
     assert jg.storage[bucket] not in tl.recomputed_interval
 
 
