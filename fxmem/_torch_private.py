@@ -196,7 +196,7 @@ _OP_META = ("eager_input_vals",)
 # the arguments of one call, which hold them until it returns: the zeros autograd makes for an
 # output the loss does not depend on (logits beside a loss computed in the model, the hidden
 # state `chunked_lm_loss` returns, a cache) live to the backward's end. 2.13 passes them in a
-# list the backward empties, and each is freed at its last use. Counted in `simulate`.
+# list the backward empties, and each is freed at its last use. Counted in `JointGraph.kept_to_end`.
 _BEFORE_2_13 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
 TANGENTS_HELD_THROUGH_BACKWARD = _BEFORE_2_13
 # Inductor before 2.13 runs convolution backward as a library call on the strides its inputs

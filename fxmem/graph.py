@@ -266,8 +266,11 @@ class JointGraph:
     @functools.cached_property
     def kept_to_end(self) -> frozenset[int]:
         """Storages alive to the step's end whatever is saved: what it returns (unless the
-        caller lets it go before the backward) and the gradients."""
+        caller lets it go before the backward) and the gradients; on torch < 2.13 also the
+        gradients of what it returns (`_torch_private.TANGENTS_HELD_THROUGH_BACKWARD`)."""
         outputs = [i for i in self.fwd_outputs if i not in self.released_outputs] + self.bwd_outputs
+        if tp.TANGENTS_HELD_THROUGH_BACKWARD:
+            outputs += self.tangent_nodes
         return frozenset(self.storage[i] for i in outputs if self.storage[i] >= 0)
 
     @functools.cached_property

@@ -83,8 +83,6 @@ def simulate(
 
     static = jg.primal_storages
     kept_end = jg.kept_to_end
-    if tp.TANGENTS_HELD_THROUGH_BACKWARD:
-        kept_end = kept_end | {storage[i] for i in jg.tangent_nodes if storage[i] >= 0}
     released = _let_go(jg, kept_end)
     # A value saved for no reader in the backward (nor a recomputed one) is not saved.
     rset = set(recomputed)
