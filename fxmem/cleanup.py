@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from fxmem import _torch_private as tp
 from fxmem import kernels, opaque
-from fxmem.nodes import _is_impure, _is_random, aliased_input, retrace_views
+from fxmem.nodes import aliased_input, must_run_once, retrace_views
 from fxmem.ops import storage_of
 
 __all__ = [
@@ -175,7 +175,7 @@ def merge_repeated_values(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int,
     def pure(node: fx.Node) -> bool:
         if node.op != "call_function" or not tp.is_aten_op(node.target) or node not in forward or node in returned:
             return False
-        return not (_is_random(node) or _is_impure(node))
+        return not must_run_once(node)
 
     # The first node computing each value, per node (value numbering in graph order).
     same: dict[fx.Node, fx.Node] = {}

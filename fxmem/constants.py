@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.nodes import _is_random
+from fxmem.nodes import is_random
 from fxmem.ops import storage_of, storages_written
 
 __all__ = ["BufferCheck", "capture_inputs", "checked", "fold", "register_check"]
@@ -144,7 +144,7 @@ _RANDOM_CALLS = {"rand", "randn", "randint", "rand_like", "randn_like", "dropout
 
 
 def _random(n: fx.Node) -> bool:
-    return _is_random(n) or getattr(n.target, "__name__", str(n.target)) in _RANDOM_CALLS
+    return is_random(n) or getattr(n.target, "__name__", str(n.target)) in _RANDOM_CALLS
 
 
 def register_check(node: fx.Node, check: BufferCheck) -> None:

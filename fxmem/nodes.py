@@ -14,13 +14,30 @@ import torch.fx as fx
 from fxmem import _torch_private as tp
 from fxmem.cost import tensor_bytes
 
-__all__ = ["aliased_input", "module_path", "one_element", "retrace_views", "source_line", "transient_bytes"]
+__all__ = [
+    "aliased_input",
+    "is_impure",
+    "is_random",
+    "module_path",
+    "must_run_once",
+    "one_element",
+    "retrace_views",
+    "source_line",
+    "transient_bytes",
+]
 
 # Ops that must run exactly once: their values cannot be reproduced by running them again.
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
 
 
-def _is_random(node: fx.Node) -> bool:
+def must_run_once(node: fx.Node) -> bool:
+    """Whether running the node again would not give its values (`is_random`) or would change
+    state a second time (`is_impure`): it is never recomputed, merged or split."""
+    return is_random(node) or is_impure(node)
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether the node draws random numbers (dropout with a zero probability does not)."""
     target = node.target
     tags = getattr(target, "tags", ())
     if _RANDOM_TAG in tags:
@@ -44,11 +61,12 @@ def _dropout_off(node: fx.Node) -> bool:
     return False
 
 
-def _is_impure(node: fx.Node) -> bool:
+def is_impure(node: fx.Node) -> bool:
+    """Whether the node mutates state (a mutable schema, or what fx counts impure)."""
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True
-    # fx counts seeded ops as impure; their randomness is `_is_random`'s to judge.
+    # fx counts seeded ops as impure; their randomness is `is_random`'s to judge.
     seeded = _RANDOM_TAG in getattr(node.target, "tags", ())
     return node.op == "call_function" and node.is_impure() and not seeded
 

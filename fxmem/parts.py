@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.nodes import _is_impure, _is_random, aliased_input, retrace_views
+from fxmem.nodes import aliased_input, must_run_once, retrace_views
 from fxmem.ops import storage_of
 
 __all__ = ["split_element_wise_by_chunk"]
@@ -71,7 +71,7 @@ def _chunkable(x: fx.Node, splits: list[fx.Node]) -> bool:
     val = x.meta.get("val")
     if x.op != "call_function" or torch.Tag.pointwise not in getattr(x.target, "tags", ()):
         return False
-    if _is_random(x) or _is_impure(x) or not isinstance(val, torch.Tensor) or val.ndim == 0:
+    if must_run_once(x) or not isinstance(val, torch.Tensor) or val.ndim == 0:
         return False
     items = [u for s in splits for u in s.users]
     if not all(u.target is operator.getitem for u in items) or any(0 in t.shape for t in _parts(splits)):

@@ -13,7 +13,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.nodes import _is_impure, _is_random
+from fxmem.nodes import must_run_once
 from fxmem.storages import written_storages
 
 __all__ = ["BWD", "FWD", "PRIMAL", "TANGENT", "run_once", "sides"]
@@ -76,9 +76,9 @@ def run_once(
     written = written_storages(nodes, storage, descs)
     banned = []
     for n in nodes:
-        ban = _is_random(n) or _is_impure(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
+        ban = must_run_once(n) or n.meta.get("partitioner_tag") == "must_be_in_forward"
         if n.target is operator.getitem and n.args and isinstance(n.args[0], fx.Node):
-            ban = ban or _is_random(n.args[0]) or _is_impure(n.args[0])
+            ban = ban or must_run_once(n.args[0])
         banned.append(ban)
 
     # Ops whose outputs become in-place updates of the caller's tensors (BatchNorm running

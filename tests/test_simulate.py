@@ -25,7 +25,7 @@ from fxmem.graph import BWD, JointGraph
 from fxmem.in_place import reads_in_place
 from fxmem.kernels import dense_numel, is_inlinable, is_view_op, kernel_ops, op_name
 from fxmem.kernels import layout as value_layout
-from fxmem.nodes import _is_impure, _is_random, aliased_input
+from fxmem.nodes import aliased_input, is_impure, is_random
 from fxmem.pipeline import default_passes
 from fxmem.planner import plan_trajectory
 from fxmem.probe import _probe_arguments, workspace_bytes
@@ -1068,7 +1068,7 @@ def test_attention_without_dropout_may_be_recomputed():
     for p, random in ((0.0, False), (0.1, True)):
         nodes, _ = _aten_graph(functools.partial(f, p=p), *qkv)
         (attn,) = [n for n in nodes if "scaled_dot_product" in str(n.target)]
-        assert _is_random(attn) is random and not _is_impure(attn), (p, attn.target)
+        assert is_random(attn) is random and not is_impure(attn), (p, attn.target)
 
 
 def test_attention_workspace_is_measured():
