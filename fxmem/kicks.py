@@ -57,7 +57,7 @@ def kicked(
     short_walk = min(most, max(least, _KICK_NODE_STEPS // max(1, len(jg.nodes))))
     allowance = capped(jg, max(walked_for, short_walk))
     effort = Effort(limit=allowance)
-    extended = False
+    extended = False  # the effort given once more, for the kicks at the backward's highest step
     while True:
         tl = best.timeline
         walked = _kick(jg, order, effort, best, _readers_to_save(jg, best, tl.peak_pos), refused)
@@ -76,8 +76,8 @@ def kicked(
                     refused=refused,
                 )
         if walked is None and tl.peak_pos < tl.boundary < len(tl.curve):
-            if not extended and effort.limit is not None:
-                effort.limit = min(effort.spent, effort.limit) + allowance
+            if not extended:
+                effort.limit = min(effort.spent, allowance) + allowance
                 extended = True
             walked = _kick(jg, order, effort, best, _readers_to_save(jg, best, _backward_high(tl)), refused)
         if not walked:
@@ -171,7 +171,7 @@ def _readers_to_save(jg: JointGraph, choice: Choice, at: int) -> list[int]:
     the residuals that read a block's feed-forward output (its floor 3.5% higher)."""
     tl = choice.timeline
     recomputed = set(tl.recomputed)
-    alive = {s for s, (a, f) in tl.recomputed_interval.items() if a <= at <= f}
+    alive = set(at_peak(tl, tl.recomputed_interval, at))
     first: dict[int, int] = {}
     reads: dict[int, set[int]] = {}  # per candidate storage, the alive storages it reads
     for s in sorted(alive):

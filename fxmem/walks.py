@@ -129,9 +129,11 @@ def _moves(jg: JointGraph, saved: list[bool], tl: Timeline, tried: set[int]) -> 
     return moves
 
 
-def at_peak(tl: Timeline, intervals: dict[int, tuple[int, int]]) -> list[int]:
-    """The storages of `intervals` (storage -> (alloc step, free step)) alive at `tl`'s peak."""
-    return [s for s, (a, f) in intervals.items() if a <= tl.peak_pos <= f]
+def at_peak(tl: Timeline, intervals: dict[int, tuple[int, int]], step: int | None = None) -> list[int]:
+    """The storages of `intervals` (storage -> (alloc step, free step)) alive at `tl`'s peak,
+    or at `step`."""
+    at = tl.peak_pos if step is None else step
+    return [s for s, (a, f) in intervals.items() if a <= at <= f]
 
 
 def saved_members(jg: JointGraph, saved: list[bool], tl: Timeline) -> dict[int, list[int]]:

@@ -257,11 +257,12 @@ def _only_values_not_alive_at_the_peak():
     """`kicks._readers_to_save` without the values alive at the step it is asked about (the
     peak's, as before GPT-J's test)."""
     import fxmem.kicks
+    from fxmem.walks import at_peak
 
     tries = fxmem.kicks._readers_to_save
 
     def not_alive_at_the_peak(jg, choice, at):
-        alive = {s for s, (a, f) in choice.timeline.recomputed_interval.items() if a <= at <= f}
+        alive = set(at_peak(choice.timeline, choice.timeline.recomputed_interval, at))
         return [u for u in tries(jg, choice, at) if jg.storage[u] not in alive]
 
     return not_alive_at_the_peak
