@@ -217,6 +217,19 @@ def test_floor_below_a_swap_of_saved_residuals(monkeypatch):
     _held_as_predicted(model, kwargs, floor, "inductor", ref, within=0.005)
 
 
+def test_long_element_wise_code_computed_as_planned(monkeypatch):
+    """Inductor writes out an element-wise value whose code counts more ops than its
+    `realize_opcount_threshold` where several kernels read it or it loads more than one
+    buffer (30 ops on GPUs); the plan counts no ops, and fxmem compiles its graphs with that
+    threshold at 100. Here the user's is 12: ConvNeXt's LayerNorm and GELU chains, written out
+    and laid out apart, measured 28% over the budget at its floor without that (49.4 MiB
+    against 38.5). Now that budget holds, as planned, gradients eager's."""
+    model, kwargs, ref = _zoo_at_fixed_rates(monkeypatch, "convnext")
+    with torch._inductor.config.patch(realize_opcount_threshold=12):
+        floor = _floor_mib(model, kwargs, "inductor")
+        _held_as_predicted(model, kwargs, floor, "inductor", ref, within=0.005)
+
+
 def test_floor_kicked_at_the_backwards_high_point(monkeypatch):
     """Gemma 2's walks, for the step keeping only the loss (rates fixed as above), end with the
     peak in the forward, at its last chunk of logits, saving five values of 1 MiB where three
