@@ -302,8 +302,8 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: Any, partition_fn
 # kernels read it or it loads more than one buffer; the plan does not count ops, and such
 # values, which the plan computes in each reader, took new buffers, laid out apart (at a
 # threshold of 12, ConvNeXt's LayerNorm and GELU chains: 49.4 MiB measured at a budget of 38.5
-# at its floor). At 100 only what inductor writes out anyway is left: code so
-# long that lowering it inline risks deep recursion.
+# at its floor). At 100 only what inductor writes out anyway is left: code so long that
+# lowering it inline risks deep recursion.
 _INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "reorder_for_peak_memory": False, "realize_opcount_threshold": 100}
 
 

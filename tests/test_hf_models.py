@@ -479,8 +479,9 @@ def test_shared_keys_and_a_causal_mask_are_planned_exactly_under_inductor():
 def test_below_the_floor_with_fused_projections_they_are_planned_apart(tmp_path):
     """Fused, a group's output lives until its last part is read and the backward concatenates
     the parts' gradients: under inductor Llama's floor is 19% higher with its projections
-    fused (6% on torch 2.11, whose kernels differ). By default a budget below that floor is planned with them apart: it holds, the
-    gradients are eager's, and a plan saved so is applied so. Named, the passes run as named."""
+    fused (asked: 10%; 6% on torch 2.11, whose kernels differ, asked 5% there). By default a
+    budget below that floor is planned with them apart: it holds, the gradients are eager's,
+    and a plan saved so is applied so. Named, the passes run as named."""
     torch.manual_seed(0)
     model = _llama(n_layer=2, attention="sdpa", intermediate_size=128)
     ids = torch.randint(0, VOCAB, (8, BATCH[1]))
@@ -489,7 +490,8 @@ def test_below_the_floor_with_fused_projections_they_are_planned_apart(tmp_path)
     fused, fused_plan = floor_plan(model, kwargs, keep_outputs=False, passes=default_passes())
     floor, plan = floor_plan(model, kwargs, keep_outputs=False)
     assert fused_plan.rewrites["fuse_projections"] == 4 and plan.rewrites["fuse_projections"] == 0
-    assert floor < 0.95 * fused, (floor / MiB, fused / MiB)
+    lower = 0.95 if torch.torch_version.TorchVersion(torch.__version__) < (2, 12) else 0.9
+    assert floor < lower * fused, (floor / MiB, fused / MiB)
 
     m = fxmem.optimize(model, floor * 1.03 / 2**30, keep_outputs=False)
     train_step(m, kwargs)  # plans and compiles
