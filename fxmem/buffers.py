@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from fxmem import _torch_private as tp
-from fxmem.kernels import LAYOUT_COPY, SCATTERS, any_between, op_name, reach
+from fxmem.kernels import LAID_OUT_READERS, LAYOUT_COPY, SCATTERS, any_between, op_name, reach
 from fxmem.nodes import one_element
 
 __all__ = [
@@ -56,14 +56,6 @@ def materialized_storages(
         elif any(not fusible[u] or op_name(nodes[u]) in _STRIDED_READS for u in users[i]) or not users[i]:
             mat[s] = True
     return mat
-
-
-# Library calls inductor hands each input in the layout they require (its `sdpa_constraint`):
-# on CPU an input it has not stored is copied into that layout for each call.
-_LAID_OUT_READERS = {
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-}
 
 
 def copied_per_reader(
@@ -119,7 +111,7 @@ def copied_per_reader(
             loads[i] <= 1
             and not (heavy[i] and len(readers) > 1)
             and library
-            and all(op_name(nodes[u]) in _LAID_OUT_READERS for u in library)
+            and all(op_name(nodes[u]) in LAID_OUT_READERS for u in library)
             and not any(op_name(nodes[u]) in _STRIDED_READS for j in holders[s] for u in users[j])
             and op_name(n) not in _WRITTEN_OUT
             and not n.meta.get(LAYOUT_COPY)

@@ -25,6 +25,10 @@ until the last: sixteen 4 MiB terms at once in the zoo's T5. Where library calls
 the chain's first add and its last, each add is made `fxmem.opaque.add`, which writes the sum
 as each term arrives (`realize_running_sums`; fusing compilers only).
 
+Likewise the copy inductor makes of a view an attention call reads on CPU in a layout it does
+not take (the one key and value of multi-query attention, repeated over the query heads by a
+view): each call gets a dense copy, in the forward and again in the backward.
+
 And where inductor would choose a layout for a value the forward saves that the plan cannot
 count (channels-last for a value in (N, H, W, C)), the value is saved through a view that
 inductor keeps as traced.
@@ -32,6 +36,7 @@ inductor keeps as traced.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 
@@ -46,6 +51,7 @@ from fxmem.ops import storage_of
 __all__ = [
     "LAID_STRIDE",
     "copy_conv_inputs_channels_last",
+    "copy_expanded_attention_inputs",
     "copy_views_of_channels_last",
     "merge_repeated_values",
     "realize_running_sums",
@@ -245,6 +251,76 @@ def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return copies
+
+
+def copy_expanded_attention_inputs(gm: fx.GraphModule) -> int:
+    """Give each value that CPU attention calls read in a layout inductor cannot hand them (its
+    `sdpa_constraint`: the inputs' own stride order where the last dimension is the innermost,
+    the contiguous order otherwise) an explicit contiguous copy, which those calls read in
+    place of the value: one copy per argument it is passed as, as inductor makes them.
+
+    The case this is for: multi-query attention's one key and value head, repeated over the
+    query heads by `expand` and a view (HF's `repeat_kv` with one key/value head: a view,
+    stride 0 along the heads); also masks expanded over the batch, and the forward's
+    log-sum-exp (heads innermost) read by the backward. Inductor copies such a value
+    densely for each call that reads it, the forward's and the backward's, where the plan
+    counted the value's storage: HF Falcon (transformers 5.25) at its floor measured 13% over
+    the prediction. As a node the copy is counted, and the plan decides whether the forward's
+    copy is saved for the backward or made again there. Values are unchanged. Returns how many
+    copies were made.
+    """
+    made = 0
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for view in nodes:
+        readers = [u for u in view.users if kernels.op_name(u) in kernels.LAID_OUT_READERS]
+        val = view.meta.get("val")
+        if readers and isinstance(val, torch.Tensor) and not _laid_out_as_asked(val):
+            made += _copy_per_argument(gm.graph, view, sorted(readers, key=order.__getitem__))
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
+
+
+def _copy_per_argument(graph: fx.Graph, view: fx.Node, readers: list[fx.Node]) -> int:
+    """Make `readers` (in graph order) read contiguous copies of `view` (a view, or any value):
+    the k-th copy where a reader passes it the k-th time, made right before the first such reader. Returns how
+    many copies were made."""
+    copies: list[fx.Node] = []
+    val = view.meta["val"]
+
+    def copy_for(arg: fx.Node, seen: list[int], reader: fx.Node) -> fx.Node:
+        if arg is not view:
+            return arg
+        seen[0] += 1
+        if len(copies) < seen[0]:
+            with graph.inserting_before(reader):
+                copy = graph.call_function(_CLONE, (view,), {"memory_format": torch.contiguous_format})
+            copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+            copy.meta[kernels.LAYOUT_COPY] = True
+            copies.append(copy)
+        return copies[seen[0] - 1]
+
+    for u in readers:
+        seen = [0]  # times `u` passed the view so far
+        u.args = fx.map_arg(u.args, lambda a, seen=seen, u=u: copy_for(a, seen, u))
+        u.kwargs = fx.map_arg(u.kwargs, lambda a, seen=seen, u=u: copy_for(a, seen, u))
+    return len(copies)
+
+
+def _laid_out_as_asked(val: torch.Tensor) -> bool:
+    """Whether `val`'s strides are in the order inductor asks of an attention call's input on
+    CPU: its own stride order where the last dimension has the smallest stride, else the
+    contiguous order; dimensions of size 1 do not count."""
+    strides = val.stride()
+    if not all(isinstance(x, int) for x in (*val.shape, *strides)):
+        return True  # symbolic: not judged (left as traced)
+    inner_first = sorted(range(val.dim()), key=lambda d: strides[d])
+    if inner_first and inner_first[0] != val.dim() - 1:
+        inner_first = list(reversed(range(val.dim())))
+    dims = [d for d in inner_first if val.shape[d] != 1]
+    return all(strides[a] <= strides[b] for a, b in itertools.pairwise(dims))
 
 
 def _conv_input(node: fx.Node) -> fx.Node | None:

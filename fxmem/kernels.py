@@ -20,6 +20,7 @@ import torch.fx as fx
 _N = TypeVar("_N")
 
 __all__ = [
+    "LAID_OUT_READERS",
     "LAYOUT_COPY",
     "any_between",
     "NEVER_WRITTEN_OVER",
@@ -69,6 +70,14 @@ NEVER_WRITTEN_OVER = SCATTERS | {"scatter", "scatter_add", "scatter_reduce", "in
 # cleanup.copy_views_of_channels_last): the loops writing it and those reading it run in
 # different orders, so no kernel both computes and reads it.
 LAYOUT_COPY = "fxmem_layout_copy"
+
+# Library calls inductor hands each input in the layout they require (its `sdpa_constraint`):
+# on CPU an input it has not stored, or a view of one it cannot pass in that layout (an
+# expanded key), is copied into that layout for each call.
+LAID_OUT_READERS = {
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+}
 
 
 def is_inlinable(node: fx.Node) -> bool:

@@ -33,6 +33,7 @@ from fxmem.again import (
 )
 from fxmem.cleanup import (
     copy_conv_inputs_channels_last,
+    copy_expanded_attention_inputs,
     copy_views_of_channels_last,
     merge_repeated_values,
     realize_running_sums,
@@ -207,6 +208,7 @@ def _plan_and_emit(
         storage_remap.update(remove_redundant_clones(joint))
         if req.compiler == "inductor":
             realize_running_sums(joint, num_fwd_outputs)
+            copy_expanded_attention_inputs(joint)
         else:
             split_element_wise_by_chunk(joint)
         layout_opt = req.compiler == "inductor" and on_callers_thread(tp.inductor_layout_optimization, joint)

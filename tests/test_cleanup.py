@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fxmem.cleanup import (
     LAID_STRIDE,
     copy_conv_inputs_channels_last,
+    copy_expanded_attention_inputs,
     copy_views_of_channels_last,
     merge_repeated_values,
     realize_running_sums,
@@ -111,6 +113,95 @@ def _nhwc_block(x, w, m, w2):
     )
     r = aten.relu.default(z)
     return r.sum(), aten.mul.Tensor(h, 3.0), aten.mul.Tensor(y, 3.0), aten.mul.Tensor(r, 3.0)
+
+
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _repeated(x, heads: int):
+    """One head repeated over `heads` by a view, as HF's `repeat_kv` does (stride 0)."""
+    b, _, t, d = x.shape
+    return x[:, :, None].expand(b, 1, heads, t, d).reshape(b, heads, t, d)
+
+
+def _attention_step(q, k, v, mask, gy, repeat=(False, False), expand_mask=False, key_as_value=False):
+    """CPU flash attention and its backward; `repeat`: whether the key and the value (one
+    head) are repeated over the query heads by a view, else broadcast by the call;
+    `key_as_value`: the key is passed as the value too."""
+    heads = q.shape[1]
+    k, v = (_repeated(x, heads) if r else x for x, r in zip((k, v), repeat, strict=True))
+    v = k if key_as_value else v
+    if expand_mask:
+        mask = mask[0].expand(q.shape[0], *mask.shape[1:])
+    y, lse = _FLASH(q, k, v, attn_mask=mask)[:2]
+    grads = _FLASH_BACKWARD(gy, q, k, v, y, lse, 0.0, False, attn_mask=mask)
+    return y, *grads, k.sum()
+
+
+def _attention_inputs(transposed: bool = False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 4, 16, generator=g).transpose(1, 2) if transposed else torch.randn(2, 4, 8, 16, generator=g)
+    k = torch.randn(2, 1, 8, 16, generator=g)
+    v = torch.randn(2, 1, 8, 16, generator=g)
+    mask = torch.randn(2, 1, 8, 8, generator=g)
+    return q, k, v, mask, torch.randn(2, 4, 8, 16, generator=g)
+
+
+def _traced_and_copied(args, **how):
+    """The step traced and its views copied: the copies of the inputs (that of the forward's
+    log-sum-exp, which every such step makes, checked and left out). The step runs as before."""
+    step = functools.partial(_attention_step, **how)
+    gm = make_fx(step, tracing_mode="fake")(*args)
+    made = copy_expanded_attention_inputs(gm)
+    copies = [n for n in gm.graph.nodes if n.target is aten.clone.default]
+    assert made == len(copies)
+    assert all(c.meta[LAYOUT_COPY] and c.meta["val"].is_contiguous() for c in copies)
+    for got, want in zip(gm(*args), step(*args), strict=True):
+        torch.testing.assert_close(got, want)
+    (lse,) = [c for c in copies if c.args[0].target is operator.getitem]
+    assert [u.target for u in lse.users] == [_FLASH_BACKWARD]
+    return [c for c in copies if c is not lse]
+
+
+def test_the_forwards_log_sum_exp_is_copied_for_the_backward():
+    """The forward's log-sum-exp, (batch, heads, tokens) with the heads innermost: inductor
+    hands the backward a contiguous copy (checked in `_traced_and_copied`)."""
+    step = functools.partial(_attention_step)
+    gm = make_fx(step, tracing_mode="fake")(*_attention_inputs())
+    lse = next(n for n in gm.graph.nodes if n.target is operator.getitem and n.args[1] == 1)
+    assert lse.meta["val"].stride() == (32, 1, 4)
+    assert _traced_and_copied(_attention_inputs()) == []
+
+
+def test_a_repeated_key_head_gets_one_dense_copy_read_by_the_attention_and_its_backward():
+    copies = _traced_and_copied(_attention_inputs(), repeat=(True, True))
+    assert len(copies) == 2  # the key's and the value's
+    for copy in copies:
+        assert copy.args[0].meta["val"].stride(1) == 0  # it copies the view
+        assert {u.target for u in copy.users} == {_FLASH, _FLASH_BACKWARD}
+    (key, _) = copies
+    assert [u.target for u in key.args[0].users if u is not key] == [aten.sum.default]  # the sum reads the view
+
+
+def test_a_view_passed_as_both_key_and_value_gets_a_copy_per_argument():
+    """Inductor lays out each argument of the call apart: a view passed twice is copied twice."""
+    copies = _traced_and_copied(_attention_inputs(), repeat=(True, False), key_as_value=True)
+    assert len(copies) == 2 and copies[0].args[0] is copies[1].args[0]
+    for copy in copies:
+        assert {u.target for u in copy.users} == {_FLASH, _FLASH_BACKWARD}
+
+
+def test_a_mask_expanded_over_the_batch_is_copied():
+    copies = _traced_and_copied(_attention_inputs(), expand_mask=True)
+    assert [tuple(c.meta["val"].shape) for c in copies] == [(2, 1, 8, 8)]
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "heads-transposed"])
+def test_attention_inputs_in_a_layout_inductor_takes_are_left_alone(transposed):
+    """Queries contiguous or viewed with their heads transposed (the last dimension still the
+    innermost: inductor keeps their own order), one key and value head broadcast by the call."""
+    assert _traced_and_copied(_attention_inputs(transposed)) == []
 
 
 def test_saved_nhwc_values_inductor_would_lay_out_are_saved_through_a_view():

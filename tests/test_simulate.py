@@ -562,6 +562,37 @@ def test_an_attention_masks_copy_is_written_with_the_keys_and_values_before_it()
     assert abs(got - predicted) <= 0.005 * predicted, (got / 2**20, predicted / 2**20)
 
 
+def test_one_key_head_repeated_over_the_query_heads_is_copied_for_each_attention_call():
+    """Multi-query attention whose one key and value head is repeated over the query heads by
+    a view (expand, then a reshape that merges a dimension of size 1: stride 0 along the heads,
+    as HF's `repeat_kv` with one key/value head), read by SDPA with a boolean mask. Inductor
+    copies the view densely for each attention call on CPU, the forward's and the backward's;
+    counted as the one-head keys, the prediction at the floor was 13% under the measured peak
+    (HF Falcon, transformers 5.25)."""
+    b, t, d, h = 4, 256, 64, 4
+    hd = d // h
+
+    class MultiQuery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.ModuleList(nn.Linear(d, d + 2 * hd, bias=False) for _ in range(2))
+            self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril())
+
+        def forward(self, x):
+            for lin in self.qkv:
+                q, k, v = lin(x).view(b, t, h + 2, hd).split([h, 1, 1], dim=2)
+                q, k, v = (y.transpose(1, 2) for y in (q, k, v))
+                k, v = (y[:, :, None].expand(b, 1, h, t, hd).reshape(b, h, t, hd) for y in (k, v))
+                assert k.stride(1) == 0  # a view
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.causal)
+                x = x + a.transpose(1, 2).reshape(b, t, d)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    got, predicted = _measured_above_floor(MultiQuery(), (torch.randn(b, t, d),))
+    assert abs(got - predicted) <= 0.005 * predicted, (got / 2**20, predicted / 2**20)
+
+
 def test_a_heavy_mask_two_attention_calls_read_is_stored_once(monkeypatch):
     """An attention mask whose code applies a heavy op (the sigmoid of a table), read by two
     layers' attention: inductor stores it once, as it stores any value several ops read whose

@@ -109,7 +109,10 @@ def test_falcon_end_to_end():
     zero_grads(model)
     m = fxmem.optimize(model, 4.0)  # inductor
     loss = step(m, input_ids=ids, labels=ids)
-    assert m.plan.rewrites["index_as_slice"] == 2  # the key's and the value's
+    # the key's and the value's; Falcon from transformers 5.25 splits its heads without list
+    # indices (`split`), and nothing is rewritten
+    split_by_lists = hasattr(transformers.models.falcon.modeling_falcon.FalconAttention, "_split_heads")
+    assert m.plan.rewrites["index_as_slice"] == (2 if split_by_lists else 0)
     assert torch.allclose(loss, ref_loss, rtol=TOL)
     assert grad_err(grads_of(model), ref) < 1e-4
 
