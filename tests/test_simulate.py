@@ -1170,10 +1170,11 @@ def test_convolution_and_batch_norm_workspaces_are_measured_when_run_op_by_op():
 
 def test_a_depthwise_convolutions_backward_is_probed_channels_last_under_inductor():
     """Channels-last, as inductor runs it on CPU, a 3x3 convolution's backward takes scratch
-    space of a seventh of its input, a 7x7 depthwise one's one and a half times its input
-    (ConvNeXt's: 3.1 MiB at its last stage, uncounted, put its measured peak 2.2% above the
-    plan). Probed in the traced, contiguous layout instead, the 3x3 one's is twice its input,
-    which over-counted RegNet's and PoolFormer's floors by 8–14%."""
+    space of a seventh of its input, a 7x7 depthwise one's one and a half times its input with
+    AVX-512 (ConvNeXt's: 3.1 MiB at its last stage, uncounted, put its measured peak 2.2% above
+    the plan), 0.39 times with AVX2 (oneDNN's kernels differ). Probed in the traced, contiguous
+    layout instead, the 3x3 one's is twice its input, which over-counted RegNet's and
+    PoolFormer's floors by 8–14%."""
 
     def convs(x, w3, w7):
         return F.conv2d(F.conv2d(x, w3, padding=1), w7, padding=3, groups=64)
@@ -1186,7 +1187,7 @@ def test_a_depthwise_convolutions_backward_is_probed_channels_last_under_inducto
     assert by_groups.keys() == {1, 64}
     input_bytes = 32 * 64 * 16 * 16 * 4
     depthwise, dense = by_groups[64], by_groups[1]
-    assert workspace_bytes(depthwise, fusing=True, channels_last=True) >= input_bytes
+    assert workspace_bytes(depthwise, fusing=True, channels_last=True) >= input_bytes // 4
     assert workspace_bytes(dense, fusing=True, channels_last=True) < input_bytes // 4
     assert workspace_bytes(dense) >= input_bytes  # contiguous, run op by op
     assert workspace_bytes(depthwise, fusing=True) == 0  # not probed where inductor lays them out itself
