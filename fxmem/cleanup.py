@@ -257,7 +257,8 @@ def copy_expanded_attention_inputs(gm: fx.GraphModule) -> int:
     """Give each value that CPU attention calls read in a layout inductor cannot hand them (its
     `sdpa_constraint`: the inputs' own stride order where the last dimension is the innermost,
     the contiguous order otherwise) an explicit contiguous copy, which those calls read in
-    place of the value: one copy per argument it is passed as, as inductor makes them.
+    place of the value: one copy per argument it is passed as, as inductor makes them (unless
+    its `cache_sdpa_constraint` is set, off by default).
 
     The case this is for: multi-query attention's one key and value head, repeated over the
     query heads by `expand` and a view (HF's `repeat_kv` with one key/value head: a view,
@@ -311,12 +312,12 @@ def _copy_per_argument(graph: fx.Graph, view: fx.Node, readers: list[fx.Node]) -
 
 def _laid_out_as_asked(val: torch.Tensor) -> bool:
     """Whether `val`'s strides are in the order inductor asks of an attention call's input on
-    CPU: its own stride order where the last dimension has the smallest stride, else the
-    contiguous order; dimensions of size 1 do not count."""
+    CPU: its own stride order where the last dimension has the smallest stride (ties go to the
+    inner dimension), else the contiguous order; dimensions of size 1 do not count."""
     strides = val.stride()
     if not all(isinstance(x, int) for x in (*val.shape, *strides)):
         return True  # symbolic: not judged (left as traced)
-    inner_first = sorted(range(val.dim()), key=lambda d: strides[d])
+    inner_first = sorted(range(val.dim()), key=lambda d: (strides[d], -d))  # ties: inner first
     if inner_first and inner_first[0] != val.dim() - 1:
         inner_first = list(reversed(range(val.dim())))
     dims = [d for d in inner_first if val.shape[d] != 1]
