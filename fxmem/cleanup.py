@@ -239,8 +239,7 @@ def copy_conv_inputs_channels_last(gm: fx.GraphModule) -> int:
             continue
         first = min(readers, key=lambda u: list(gm.graph.nodes).index(u))
         with gm.graph.inserting_before(first):
-            copy = gm.graph.call_function(_CLONE, (src,), {"memory_format": torch.channels_last})
-        copy.meta["val"] = val.clone(memory_format=torch.channels_last)
+            copy = _copy_laid_out(gm.graph, src, torch.channels_last, layout_copy=False)
         # Kept, never made again: inductor keeps a channels-last copy for the backward either way
         # (made again in the backward, the forward still returns a copy of its own).
         copy.meta["partitioner_tag"] = "must_be_in_forward"
@@ -285,29 +284,35 @@ def copy_expanded_attention_inputs(gm: fx.GraphModule) -> int:
 
 
 def _copy_per_argument(graph: fx.Graph, view: fx.Node, readers: list[fx.Node]) -> int:
-    """Make `readers` (in graph order) read contiguous copies of `view` (a view, or any value):
-    the k-th copy where a reader passes it the k-th time, made right before the first such reader. Returns how
-    many copies were made."""
+    """Make `readers` (in graph order) read contiguous copies of `view` (a view, or any
+    value): the k-th copy where a reader passes it the k-th time, made right before the first
+    such reader. Returns how many copies were made."""
     copies: list[fx.Node] = []
-    val = view.meta["val"]
 
-    def copy_for(arg: fx.Node, seen: list[int], reader: fx.Node) -> fx.Node:
-        if arg is not view:
-            return arg
-        seen[0] += 1
-        if len(copies) < seen[0]:
+    def nth_copy(k: int, reader: fx.Node) -> fx.Node:
+        if k == len(copies):
             with graph.inserting_before(reader):
-                copy = graph.call_function(_CLONE, (view,), {"memory_format": torch.contiguous_format})
-            copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
-            copy.meta[kernels.LAYOUT_COPY] = True
-            copies.append(copy)
-        return copies[seen[0] - 1]
+                copies.append(_copy_laid_out(graph, view, torch.contiguous_format))
+        return copies[k]
 
     for u in readers:
-        seen = [0]  # times `u` passed the view so far
-        u.args = fx.map_arg(u.args, lambda a, seen=seen, u=u: copy_for(a, seen, u))
-        u.kwargs = fx.map_arg(u.kwargs, lambda a, seen=seen, u=u: copy_for(a, seen, u))
+        passed = itertools.count()  # times `u` passed the view so far
+        u.args, u.kwargs = fx.map_arg(
+            (u.args, u.kwargs), lambda a, u=u, passed=passed: nth_copy(next(passed), u) if a is view else a
+        )
     return len(copies)
+
+
+def _copy_laid_out(
+    graph: fx.Graph, src: fx.Node, memory_format: torch.memory_format, layout_copy: bool = True
+) -> fx.Node:
+    """A clone of `src` in `memory_format`, at the graph's insertion point, with its value;
+    `layout_copy`: marked as a copy its readers read from memory (see kernels.LAYOUT_COPY)."""
+    copy = graph.call_function(_CLONE, (src,), {"memory_format": memory_format})
+    copy.meta["val"] = src.meta["val"].clone(memory_format=memory_format)
+    if layout_copy:
+        copy.meta[kernels.LAYOUT_COPY] = True
+    return copy
 
 
 def _laid_out_as_asked(val: torch.Tensor) -> bool:
@@ -367,9 +372,7 @@ def copy_views_of_channels_last(gm: fx.GraphModule) -> int:
                 continue
             src = node.args[0]
             with gm.graph.inserting_before(node):
-                copy = gm.graph.call_function(_CLONE, (src,), {"memory_format": torch.contiguous_format})
-            copy.meta["val"] = src.meta["val"].clone(memory_format=torch.contiguous_format)
-            copy.meta[kernels.LAYOUT_COPY] = True
+                copy = _copy_laid_out(gm.graph, src, torch.contiguous_format)
             node.replace_input_with(src, copy)
             copies += 1
             retraced.add(node)
